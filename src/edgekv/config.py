@@ -1,0 +1,74 @@
+"""One configuration object for the cache; every number says where it comes from."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from .errors import ConfigError
+
+__all__ = ["CacheConfig", "default_cache_dir"]
+
+MIB = 1024 * 1024
+
+
+def default_cache_dir() -> Path:
+    """`$EDGEKV_CACHE_DIR`, else `$XDG_CACHE_HOME/edgekv`, else `~/.cache/edgekv`."""
+    env = os.environ.get("EDGEKV_CACHE_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "edgekv"
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    # Tokens per chunk. Seed: 128-token fragments; the fragment invariant allows [64, 2048].
+    chunk_size: int = 128
+    # Layers per stored fragment; 0 means all layers in one fragment. A prefix is reusable only
+    # when every layer of every chunk is present, so splitting trades lookups for flexibility.
+    layers_per_fragment: int = 0
+    # RAM tier capacity. ~23 KB of f16 KV per SmolLM2 token -> 256 MiB holds ~11k tokens.
+    ram_capacity_bytes: int = 256 * MIB
+    # Disk tier capacity; least recently used entries are evicted past it.
+    disk_capacity_bytes: int = 2048 * MIB
+    # Seed (EdgeSync-LLM fragment.go): TTL 30 min, >= 5 hits promotes to 7 days.
+    ttl_s: float = 30 * 60.0
+    promoted_ttl_s: float = 7 * 24 * 3600.0
+    promote_hits: int = 5
+    cache_dir: Path = field(default_factory=default_cache_dir)
+
+    def __post_init__(self) -> None:
+        if not 64 <= self.chunk_size <= 2048:
+            raise ConfigError(
+                f"chunk_size={self.chunk_size} is outside [64, 2048] (the fragment span range); "
+                "pick e.g. 128"
+            )
+        if self.layers_per_fragment < 0:
+            raise ConfigError(f"layers_per_fragment={self.layers_per_fragment} must be >= 0 (0 = all)")
+        for name in ("ram_capacity_bytes", "disk_capacity_bytes"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")
+        if not 0 < self.ttl_s <= self.promoted_ttl_s:
+            raise ConfigError(
+                f"ttl_s={self.ttl_s} must be > 0 and <= promoted_ttl_s={self.promoted_ttl_s}"
+            )
+        if self.promote_hits < 1:
+            raise ConfigError(f"promote_hits={self.promote_hits} must be >= 1")
+        object.__setattr__(self, "cache_dir", Path(self.cache_dir))
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> CacheConfig:
+        """Read `EDGEKV_<FIELD>` variables (e.g. `EDGEKV_CHUNK_SIZE=256`), then apply overrides."""
+        values: dict[str, object] = {}
+        for f in fields(cls):
+            raw = os.environ.get(f"EDGEKV_{f.name.upper()}")
+            if raw is None or f.name == "cache_dir":
+                continue
+            try:
+                values[f.name] = float(raw) if f.name.endswith("_s") else int(raw)
+            except ValueError:
+                raise ConfigError(f"EDGEKV_{f.name.upper()}={raw!r} is not a number") from None
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)  # type: ignore[arg-type]

@@ -1,0 +1,172 @@
+"""The `KVAdapter` protocol: the seed's six operations, plus what prefill reuse needs.
+
+Seed (EdgeSync-LLM): ExtractFragment / InjectFragment / Generate / Tokenize / ClearKVCache /
+Close. EdgeKV adds `prefill` (evaluate tokens after what the engine holds) because reuse means
+"inject a prefix, then compute only the rest", and `fingerprint`, which binds KV to a model.
+
+Prefill is *aligned*: tokens are evaluated in batches whose boundaries fall on multiples of
+`align` (the cache's chunk size) in absolute position. The KV of chunk i is then computed by
+the same batch of the same shape whether the request was cold or warm, so strict reuse gives
+the same numbers as a cold run instead of "close enough".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from ..errors import ConfigError, IncompatibleFragment
+from ..fragment import KVFragment
+from ..keys import ModelFingerprint
+
+__all__ = ["FragmentSpec", "Generation", "KVAdapter", "aligned_batches", "check_injectable",
+           "sample_loop"]
+
+
+@dataclass(frozen=True, slots=True)
+class FragmentSpec:
+    """What to extract: a token range, a layer range and the chain key binding its prefix."""
+
+    chain_key: str
+    token_start: int
+    token_end: int
+    layer_start: int = 0
+    layer_end: int | None = None  # None: all layers
+    layer_stride: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    tokens: tuple[int, ...]
+    logits: tuple[np.ndarray, ...]  # logits that chose each token (kept only when asked)
+    stopped_by_eos: bool
+
+
+@runtime_checkable
+class KVAdapter(Protocol):
+    fingerprint: ModelFingerprint
+
+    @property
+    def n_tokens(self) -> int: ...
+
+    @property
+    def token_ids(self) -> list[int]: ...
+
+    @property
+    def n_ctx(self) -> int: ...
+
+    @property
+    def eos_token(self) -> int: ...
+
+    def tokenize(self, text: str, *, add_bos: bool = True) -> list[int]: ...
+
+    def detokenize(self, tokens: Sequence[int]) -> str: ...
+
+    def clear_kv_cache(self) -> None: ...
+
+    def prefill(self, tokens: Sequence[int], *, align: int) -> np.ndarray:
+        """Evaluate `tokens` after the current context; return the last token's logits."""
+        ...
+
+    def extract_fragments(self, specs: Sequence[FragmentSpec]) -> list[KVFragment]: ...
+
+    def inject_fragments(self, fragments: Sequence[KVFragment]) -> int:
+        """Replace the context with the prefix the fragments cover; return its length."""
+        ...
+
+    def generate(self, logits: np.ndarray, max_tokens: int, *, temperature: float = 0.0,
+                 seed: int = 0, keep_logits: bool = False) -> Generation: ...
+
+    def close(self) -> None: ...
+
+
+def aligned_batches(start: int, n: int, align: int) -> list[tuple[int, int]]:
+    """Split positions [start, start+n) at multiples of `align`: [(lo, hi), ...]."""
+    if align < 1:
+        raise ConfigError(f"align={align} must be >= 1")
+    out = []
+    pos, end = start, start + n
+    while pos < end:
+        hi = min(end, (pos // align + 1) * align)
+        out.append((pos, hi))
+        pos = hi
+    return out
+
+
+def sample_loop(adapter: KVAdapter, logits: np.ndarray, max_tokens: int, *, temperature: float,
+                seed: int, keep_logits: bool) -> Generation:
+    """Greedy (temperature 0) or seeded temperature sampling, one token at a time."""
+    if max_tokens < 0:
+        raise ConfigError(f"max_tokens={max_tokens} must be >= 0")
+    if adapter.n_tokens + max_tokens > adapter.n_ctx:
+        raise ConfigError(
+            f"prompt ({adapter.n_tokens} tokens) + max_tokens ({max_tokens}) exceeds the context "
+            f"window ({adapter.n_ctx}); shorten the prompt or raise --n-ctx"
+        )
+    rng = np.random.default_rng(seed)
+    tokens: list[int] = []
+    kept: list[np.ndarray] = []
+    eos = False
+    for i in range(max_tokens):
+        if keep_logits:
+            kept.append(logits)
+        if temperature <= 0:
+            tok = int(np.argmax(logits))
+        else:
+            z = (logits.astype(np.float64) - logits.max()) / temperature
+            p = np.exp(z)
+            tok = int(rng.choice(len(p), p=p / p.sum()))
+        tokens.append(tok)
+        if tok == adapter.eos_token:
+            eos = True
+            break
+        if i + 1 < max_tokens:
+            logits = adapter.prefill([tok], align=1)
+    return Generation(tuple(tokens), tuple(kept), eos)
+
+
+def check_injectable(fragments: Sequence[KVFragment], fp: ModelFingerprint) -> int:
+    """Check fragments form a complete prefix [0, n) with every layer; return n.
+
+    Raises IncompatibleFragment naming the first problem. llama.cpp (and any engine) needs
+    every layer of every cell to resume, so a partial-layer prefix is not injectable.
+    """
+    digest = fp.digest
+    covered: dict[tuple[int, int], set[int]] = {}
+    for f in fragments:
+        if f.model_fingerprint != digest:
+            raise IncompatibleFragment(
+                f"fragment {f.chain_key[:12]} was made by another model/engine "
+                f"({f.model_fingerprint[:12]} != {digest[:12]})")
+        if f.n_layer_model != fp.n_layer:
+            raise IncompatibleFragment(
+                f"fragment has {f.n_layer_model} model layers, this model {fp.n_layer}")
+        if not f.is_dense:
+            raise IncompatibleFragment(
+                f"fragment {f.chain_key[:12]} samples layers with stride {f.layer_stride}; "
+                "only dense (stride 1) fragments can be injected")
+        if f.keys.shape[2] != fp.n_embd_k or f.values.shape[2] != fp.n_embd_v:
+            raise IncompatibleFragment(
+                f"fragment widths K={f.keys.shape[2]} V={f.values.shape[2]}, model expects "
+                f"K={fp.n_embd_k} V={fp.n_embd_v}")
+        if f.kv_dtype != fp.kv_dtype:
+            raise IncompatibleFragment(f"fragment KV is {f.kv_dtype}, engine holds {fp.kv_dtype}")
+        layers = covered.setdefault((f.token_start, f.token_end), set())
+        overlap = layers.intersection(f.layer_indices)
+        if overlap:
+            raise IncompatibleFragment(f"layers {sorted(overlap)} given twice for tokens "
+                                       f"[{f.token_start}, {f.token_end})")
+        layers.update(f.layer_indices)
+    pos = 0
+    for (lo, hi) in sorted(covered):
+        if lo != pos:
+            raise IncompatibleFragment(f"token ranges leave a gap or overlap at {pos} (next starts at {lo})")
+        missing = set(range(fp.n_layer)) - covered[(lo, hi)]
+        if missing:
+            raise IncompatibleFragment(
+                f"tokens [{lo}, {hi}) lack layers {sorted(missing)[:5]}...; every layer is needed")
+        pos = hi
+    return pos

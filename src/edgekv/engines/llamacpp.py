@@ -1,0 +1,235 @@
+"""llama.cpp adapter (llama-cpp-python), through the public sequence-state API only.
+
+KV leaves and enters llama.cpp as a `llama_state_seq_*` blob; `llamacpp_state` slices it into
+token x layer fragments and assembles fragments back into a blob llama.cpp restores with its
+cell bookkeeping (positions, sequence ids) intact. Nothing is written behind llama.cpp's back.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import EngineError, IncompatibleFragment, UnsupportedLayout
+from ..fragment import KVFragment
+from ..keys import ModelFingerprint, file_sha256
+from .base import FragmentSpec, Generation, aligned_batches, check_injectable, sample_loop
+from .llamacpp_state import SeqState, assemble_seq_state, parse_seq_state
+from .models import resolve_model
+
+__all__ = ["LlamaCppAdapter"]
+
+log = logging.getLogger(__name__)
+_KV_TYPES = {0: "f32", 1: "f16"}
+
+
+def _import_llama() -> Any:
+    try:
+        import llama_cpp
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise EngineError(
+            "llama-cpp-python is not installed: run `make setup` (it builds it with the CPU "
+            "flags this machine needs) or `pip install 'edgekv[llamacpp]'`") from e
+    return llama_cpp
+
+
+class LlamaCppAdapter:
+    """One llama.cpp context over one model, holding one sequence (seq 0)."""
+
+    def __init__(self, model_path: str | Path | None = None, *, n_ctx: int = 2048,
+                 n_threads: int | None = None, memo_dir: Path | None = None) -> None:
+        self._lib = lib = _import_llama()
+        self.model_path = resolve_model(model_path)
+        try:
+            self._llm = lib.Llama(
+                str(self.model_path), n_ctx=n_ctx, n_batch=2048, n_ubatch=512,
+                n_threads=n_threads or os.cpu_count() or 1, verbose=False, logits_all=False)
+        except (ValueError, RuntimeError) as e:
+            raise EngineError(f"llama.cpp could not load {self.model_path}: {e}") from e
+        self._ctx = self._llm._ctx.ctx
+        self._n_vocab = self._llm.n_vocab()
+        self.fingerprint = self._make_fingerprint(memo_dir)
+        self._v_trans: bool | None = None  # learnt from the first state llama.cpp writes
+
+    # -- identity ------------------------------------------------------------------------
+
+    def _make_fingerprint(self, memo_dir: Path | None) -> ModelFingerprint:
+        md = self._llm.metadata
+        arch = md.get("general.architecture", "unknown")
+
+        def meta(name: str, default: int | None = None) -> int:
+            v = md.get(f"{arch}.{name}")
+            if v is None:
+                if default is None:
+                    raise UnsupportedLayout(f"GGUF metadata lacks {arch}.{name}")
+                return default
+            return int(float(v))
+
+        n_head = meta("attention.head_count")
+        head_dim = meta("embedding_length") // n_head
+        kv_type = self._llm.context_params.type_k
+        if kv_type != self._llm.context_params.type_v or kv_type not in _KV_TYPES:
+            raise UnsupportedLayout(
+                f"KV cache types K={kv_type} V={self._llm.context_params.type_v}; EdgeKV "
+                "needs f16 or f32 for both")
+        return ModelFingerprint(
+            file_sha256=file_sha256(self.model_path, memo_dir),
+            architecture=arch,
+            n_layer=meta("block_count"),
+            n_head_kv=meta("attention.head_count_kv", n_head),
+            head_dim_k=meta("attention.key_length", head_dim),
+            head_dim_v=meta("attention.value_length", head_dim),
+            kv_dtype=_KV_TYPES[kv_type],
+            engine=f"llama.cpp/{self._lib.__version__}",
+        )
+
+    # -- state ---------------------------------------------------------------------------
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self._llm.n_tokens)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [int(t) for t in self._llm.input_ids[: self._llm.n_tokens]]
+
+    @property
+    def n_ctx(self) -> int:
+        return int(self._llm.n_ctx())
+
+    @property
+    def eos_token(self) -> int:
+        return int(self._llm.token_eos())
+
+    def chat_template(self) -> str | None:
+        tpl = self._llm.metadata.get("tokenizer.chat_template")
+        return str(tpl) if tpl else None
+
+    def tokenize(self, text: str, *, add_bos: bool = True) -> list[int]:
+        return list(self._llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=True))
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return bytes(self._llm.detokenize(list(tokens))).decode("utf-8", errors="replace")
+
+    def clear_kv_cache(self) -> None:
+        self._llm.reset()
+        self._lib.llama_memory_clear(self._lib.llama_get_memory(self._ctx), True)
+
+    def prefill(self, tokens: Sequence[int], *, align: int) -> np.ndarray:
+        if not tokens:
+            raise EngineError("prefill needs at least one token")
+        if self.n_tokens + len(tokens) > self.n_ctx:
+            raise EngineError(f"{self.n_tokens + len(tokens)} tokens exceed the context window "
+                              f"({self.n_ctx}); raise --n-ctx or shorten the prompt")
+        toks = list(tokens)
+        base = self.n_tokens
+        for lo, hi in aligned_batches(base, len(toks), align):
+            self._llm.eval(toks[lo - base : hi - base])
+        logits = np.ctypeslib.as_array(self._llm._ctx.get_logits(), shape=(self._n_vocab,))
+        return np.array(logits, dtype=np.float32, copy=True)
+
+    def generate(self, logits: np.ndarray, max_tokens: int, *, temperature: float = 0.0,
+                 seed: int = 0, keep_logits: bool = False) -> Generation:
+        return sample_loop(self, logits, max_tokens, temperature=temperature, seed=seed,
+                           keep_logits=keep_logits)
+
+    # -- fragments -----------------------------------------------------------------------
+
+    def read_state(self) -> SeqState:
+        """The engine's sequence as canonical keys/values (views into one copied blob)."""
+        lib = self._lib
+        size = lib.llama_state_seq_get_size(self._ctx, 0)
+        buf = (ctypes.c_uint8 * size)()
+        written = lib.llama_state_seq_get_data(self._ctx, buf, size, 0)
+        if written != size:
+            raise EngineError(f"llama_state_seq_get_data wrote {written} of {size} bytes")
+        fp = self.fingerprint
+        state = parse_seq_state(memoryview(buf), n_layer=fp.n_layer, n_embd_k=fp.n_embd_k,
+                                n_embd_v=fp.n_embd_v)
+        if state.n_tokens != self.n_tokens:
+            raise UnsupportedLayout(f"engine state holds {state.n_tokens} cells for "
+                                    f"{self.n_tokens} evaluated tokens (SWA or context shift)")
+        self._v_trans = state.v_trans
+        return state
+
+    def read_state_blob(self) -> bytes:
+        size = self._lib.llama_state_seq_get_size(self._ctx, 0)
+        buf = (ctypes.c_uint8 * size)()
+        self._lib.llama_state_seq_get_data(self._ctx, buf, size, 0)
+        return bytes(buf)
+
+    def extract_fragments(self, specs: Sequence[FragmentSpec]) -> list[KVFragment]:
+        if not specs:
+            return []
+        state = self.read_state()
+        ids = np.asarray(self.token_ids, dtype=np.int32)
+        out = []
+        for s in specs:
+            if s.token_end > state.n_tokens:
+                raise EngineError(f"cannot extract tokens [{s.token_start}, {s.token_end}): "
+                                  f"the engine holds {state.n_tokens}")
+            layer_end = self.fingerprint.n_layer if s.layer_end is None else s.layer_end
+            layers = slice(s.layer_start, layer_end, s.layer_stride)
+            tok = slice(s.token_start, s.token_end)
+            out.append(KVFragment(
+                model_fingerprint=self.fingerprint.digest, chain_key=s.chain_key,
+                token_start=s.token_start, token_end=s.token_end, layer_start=s.layer_start,
+                layer_end=layer_end, layer_stride=s.layer_stride,
+                n_layer_model=self.fingerprint.n_layer, token_ids=ids[tok].copy(),
+                keys=np.ascontiguousarray(state.keys[layers, tok]),
+                values=np.ascontiguousarray(state.values[layers, tok])))
+        return out
+
+    def inject_fragments(self, fragments: Sequence[KVFragment]) -> int:
+        n = check_injectable(fragments, self.fingerprint)
+        if n > self.n_ctx:
+            raise IncompatibleFragment(f"prefix of {n} tokens exceeds the context ({self.n_ctx})")
+        keys, values, ids = self._stack(fragments, n)
+        v_trans = self._v_trans if self._v_trans is not None else self._probe_v_trans()
+        blob = assemble_seq_state(keys, values, v_trans=v_trans)
+        self.clear_kv_cache()
+        src = (ctypes.c_uint8 * len(blob)).from_buffer(blob)
+        read = self._lib.llama_state_seq_set_data(self._ctx, src, len(blob), 0)
+        if read != len(blob):
+            self.clear_kv_cache()
+            raise EngineError(f"llama.cpp refused the assembled state ({read} of {len(blob)} "
+                              "bytes read); the context is cleared, prefill will recompute")
+        self._llm.input_ids[:n] = ids
+        self._llm.n_tokens = n
+        return n
+
+    def _stack(self, fragments: Sequence[KVFragment],
+               n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        fp = self.fingerprint
+        dt = np.float16 if fp.kv_dtype == "f16" else np.float32
+        keys = np.empty((fp.n_layer, n, fp.n_embd_k), dt)
+        values = np.empty((fp.n_layer, n, fp.n_embd_v), dt)
+        ids = np.empty(n, np.int32)
+        for f in fragments:
+            tok = slice(f.token_start, f.token_end)
+            keys[f.layer_start : f.layer_end, tok] = f.keys
+            values[f.layer_start : f.layer_end, tok] = f.values
+            ids[tok] = f.token_ids
+        return keys, values, ids
+
+    def _probe_v_trans(self) -> bool:
+        """Learn whether llama.cpp stores V transposed by writing a one-token state."""
+        saved = self.token_ids
+        self.clear_kv_cache()
+        self._llm.eval([self._llm.token_bos()])
+        v_trans = self.read_state().v_trans
+        self.clear_kv_cache()
+        if saved:
+            log.debug("v_trans probe cleared a context of %d tokens", len(saved))
+        return v_trans
+
+    def close(self) -> None:
+        llm, self._llm = getattr(self, "_llm", None), None
+        if llm is not None:
+            llm.close()

@@ -1,0 +1,62 @@
+"""The exception hierarchy of EdgeKV, in one place.
+
+    EdgeKVError
+    ├── ConfigError            a setting is out of range
+    ├── ModelNotFound          no GGUF file where one was expected
+    ├── EngineError            the engine failed or is missing
+    │   └── UnsupportedLayout  the engine's KV state is in a layout EdgeKV cannot slice safely
+    ├── FragmentError          a KVFragment violates an invariant (names field, value, range)
+    │   └── IncompatibleFragment  a valid fragment that does not belong to this model/request
+    └── StoreError             a store could not do what was asked
+        └── CorruptEntry       an entry failed its checksum or could not be decoded
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigError",
+    "CorruptEntry",
+    "EdgeKVError",
+    "EngineError",
+    "FragmentError",
+    "IncompatibleFragment",
+    "ModelNotFound",
+    "StoreError",
+    "UnsupportedLayout",
+]
+
+
+class EdgeKVError(Exception):
+    """Base class of every error EdgeKV raises on purpose."""
+
+
+class ConfigError(EdgeKVError, ValueError):
+    """A configuration value is invalid."""
+
+
+class ModelNotFound(EdgeKVError, FileNotFoundError):
+    """The model file could not be found."""
+
+
+class EngineError(EdgeKVError, RuntimeError):
+    """The inference engine failed or is not installed."""
+
+
+class UnsupportedLayout(EngineError):
+    """The engine's KV state layout is not one EdgeKV knows how to slice and reassemble."""
+
+
+class FragmentError(EdgeKVError, ValueError):
+    """A KV fragment violates one of its invariants."""
+
+
+class IncompatibleFragment(FragmentError):
+    """A well-formed fragment that may not be injected here (other model, tokens or layout)."""
+
+
+class StoreError(EdgeKVError, OSError):
+    """A fragment store failed."""
+
+
+class CorruptEntry(StoreError):
+    """A stored entry is damaged (checksum, truncation, undecodable header)."""

@@ -1,0 +1,104 @@
+"""Chained chunk keys and the model fingerprint.
+
+A chunk's key is SHA-256(parent key, model fingerprint, the chunk's token ids): one chain, as in
+vLLM's prefix cache, so the key of chunk i names the *whole prefix* up to its end. That matters
+because the K/V of a token depend on every token before it; two chunks with equal token ids
+but different prefixes have different KV and must never share a key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import NewType
+
+import numpy as np
+
+__all__ = [
+    "ChunkKey",
+    "ModelFingerprint",
+    "chunk_keys",
+    "file_sha256",
+    "token_bytes",
+]
+
+ChunkKey = NewType("ChunkKey", str)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFingerprint:
+    """What a KV tensor is bound to: the weights, the architecture and the KV layout."""
+
+    file_sha256: str
+    architecture: str
+    n_layer: int
+    n_head_kv: int
+    head_dim_k: int
+    head_dim_v: int
+    kv_dtype: str  # "f16" or "f32"
+    engine: str  # numerics differ between engines, so strict reuse stays within one
+
+    @property
+    def digest(self) -> str:
+        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+    @property
+    def n_embd_k(self) -> int:
+        return self.n_head_kv * self.head_dim_k
+
+    @property
+    def n_embd_v(self) -> int:
+        return self.n_head_kv * self.head_dim_v
+
+
+def token_bytes(token_ids: Sequence[int]) -> bytes:
+    """Token ids as little-endian int32, the form hashed and stored everywhere."""
+    return np.asarray(token_ids, dtype="<i4").tobytes()
+
+
+def chunk_keys(fingerprint: str, token_ids: Sequence[int], chunk_size: int) -> list[ChunkKey]:
+    """Keys of the full chunks of `token_ids`; a trailing partial chunk gets none."""
+    keys: list[ChunkKey] = []
+    parent = hashlib.sha256(b"edgekv-root\0" + fingerprint.encode()).digest()
+    for start in range(0, len(token_ids) - chunk_size + 1, chunk_size):
+        h = hashlib.sha256(parent)
+        h.update(fingerprint.encode())
+        h.update(token_bytes(token_ids[start : start + chunk_size]))
+        parent = h.digest()
+        keys.append(ChunkKey(parent.hex()))
+    return keys
+
+
+def file_sha256(path: Path, memo_dir: Path | None = None) -> str:
+    """SHA-256 of a (large) file, memoised by (path, size, mtime) so start-up stays fast."""
+    path = Path(path).resolve()
+    st = path.stat()
+    memo_key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:32]
+    memo: Path | None = None
+    if memo_dir is not None:
+        memo = Path(memo_dir) / "fingerprints" / memo_key
+        try:
+            text = memo.read_text().strip()
+            if len(text) == 64:
+                return text
+        except OSError:
+            pass
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    digest = h.hexdigest()
+    if memo is not None:
+        try:
+            memo.parent.mkdir(parents=True, exist_ok=True)
+            tmp = memo.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(digest)
+            os.replace(tmp, memo)
+        except OSError:
+            pass
+    return digest

@@ -1,0 +1,228 @@
+"""Disk tier: one self-verifying file per fragment plus a SQLite index of their lifecycle.
+
+Why two parts: the tensors are written once and read whole (a plain file, written to a temp
+name, fsynced and renamed, so a crash never leaves half an entry under a real name), while hit
+counts, expiry and last access change on every hit (a SQLite row, transactional, shared safely
+by several processes). The files are the truth: a missing or damaged index is rebuilt from them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sqlite3
+import threading
+import time
+from pathlib import Path
+
+from ..errors import CorruptEntry, StoreError
+from ..fragment import KVFragment
+from ..serial import decode_fragment, encode_fragment, peek_header
+from .base import StoreStats, check_key
+
+__all__ = ["DiskStore"]
+
+log = logging.getLogger(__name__)
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS entries (
+    key TEXT PRIMARY KEY, nbytes INTEGER NOT NULL, expires_at REAL NOT NULL,
+    hit_count INTEGER NOT NULL, last_access REAL NOT NULL, fingerprint TEXT NOT NULL)
+"""
+
+
+class DiskStore:
+    def __init__(self, root: Path, capacity_bytes: int) -> None:
+        self.root = Path(root)
+        self.capacity_bytes = capacity_bytes
+        self._dir = self.root / "fragments"
+        try:
+            self._dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StoreError(f"cannot create the disk store at {self.root}: {e}") from e
+        self._lock = threading.Lock()
+        self._stats = StoreStats(tier="disk", capacity_bytes=capacity_bytes)
+        self._db = self._open_index()
+
+    # -- public API ----------------------------------------------------------------------
+
+    def get(self, key: str, now: float | None = None) -> KVFragment | None:
+        now = time.time() if now is None else now
+        path = self._path(check_key(key))
+        try:
+            blob = path.read_bytes()
+        except FileNotFoundError:
+            self._forget(key)
+            self._stats.misses += 1
+            return None
+        except OSError as e:
+            log.warning("disk store: cannot read %s (%s); treated as a miss", path, e)
+            self._stats.misses += 1
+            return None
+        try:
+            frag = decode_fragment(blob)
+        except CorruptEntry as e:
+            log.warning("disk store: entry %s is damaged (%s); removed, treated as a miss", key, e)
+            self._stats.corrupt += 1
+            self._stats.misses += 1
+            self.delete(key)
+            return None
+        with self._lock:
+            row = self._db.execute(
+                "SELECT hit_count, expires_at FROM entries WHERE key=?", (key,)
+            ).fetchone()
+            if row is None:  # file without index row: adopt it
+                row = (frag.hit_count, frag.expires_at)
+                self._upsert(key, len(blob), frag, now)
+            self._db.execute("UPDATE entries SET last_access=? WHERE key=?", (now, key))
+            self._db.commit()
+        frag = frag.with_lifecycle(hit_count=int(row[0]), expires_at=float(row[1]))
+        if frag.is_expired(now):
+            self.delete(key)
+            self._stats.expired += 1
+            self._stats.misses += 1
+            return None
+        self._stats.hits += 1
+        return frag
+
+    def put(self, key: str, fragment: KVFragment) -> None:
+        path = self._path(check_key(key))
+        blob = encode_fragment(fragment)
+        if len(blob) > self.capacity_bytes:
+            log.debug("fragment %s (%d B) exceeds disk capacity; not stored", key, len(blob))
+            return
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(blob)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise StoreError(f"cannot write {path}: {e}. Check free space and permissions.") from e
+        with self._lock:
+            self._upsert(key, len(blob), fragment, time.time())
+            self._db.commit()
+        self._enforce_capacity()
+
+    def touch(self, key: str, hit_count: int, expires_at: float, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        with self._lock:
+            self._db.execute(
+                "UPDATE entries SET hit_count=?, expires_at=?, last_access=? WHERE key=?",
+                (hit_count, expires_at, now, key),
+            )
+            self._db.commit()
+
+    def contains(self, key: str) -> bool:
+        return self._path(check_key(key)).exists()
+
+    def delete(self, key: str) -> bool:
+        path = self._path(check_key(key))
+        existed = path.exists()
+        path.unlink(missing_ok=True)
+        self._forget(key)
+        return existed
+
+    def sweep(self, now: float | None = None) -> int:
+        now = time.time() if now is None else now
+        with self._lock:
+            dead = [r[0] for r in self._db.execute(
+                "SELECT key FROM entries WHERE expires_at > 0 AND expires_at <= ?", (now,))]
+        for key in dead:
+            self.delete(key)
+        self._stats.expired += len(dead)
+        return len(dead)
+
+    def clear(self) -> int:
+        n = 0
+        for path in self._dir.glob("*/*.ekv"):
+            path.unlink(missing_ok=True)
+            n += 1
+        with self._lock:
+            self._db.execute("DELETE FROM entries")
+            self._db.commit()
+        return n
+
+    def keys(self) -> list[str]:
+        with self._lock:
+            return [r[0] for r in self._db.execute("SELECT key FROM entries ORDER BY key")]
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            n, size = self._db.execute("SELECT COUNT(*), COALESCE(SUM(nbytes),0) FROM entries").fetchone()
+        return dataclasses.replace(self._stats, entries=int(n), bytes=int(size))
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # -- private helpers -----------------------------------------------------------------
+
+    def _path(self, key: str) -> Path:
+        return self._dir / key[:2] / f"{key}.ekv"
+
+    def _open_index(self) -> sqlite3.Connection:
+        path = self.root / "index.sqlite3"
+        try:
+            db = sqlite3.connect(path, timeout=30, check_same_thread=False)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute(_SCHEMA)
+            db.execute("SELECT COUNT(*) FROM entries").fetchone()
+            db.commit()
+            return db
+        except sqlite3.DatabaseError as e:
+            log.warning("disk store: index %s is damaged (%s); rebuilding it from the files", path, e)
+            for suffix in ("", "-wal", "-shm"):
+                Path(f"{path}{suffix}").unlink(missing_ok=True)
+            db = sqlite3.connect(path, timeout=30, check_same_thread=False)
+            db.execute(_SCHEMA)
+            self._rebuild(db)
+            return db
+
+    def _rebuild(self, db: sqlite3.Connection) -> None:
+        now = time.time()
+        for path in self._dir.glob("*/*.ekv"):
+            try:
+                blob = path.read_bytes()
+                h = peek_header(blob)
+                db.execute(
+                    "INSERT OR REPLACE INTO entries VALUES (?,?,?,?,?,?)",
+                    (path.stem, len(blob), float(h["expires_at"]), int(h["hit_count"]),  # type: ignore[arg-type]
+                     now, str(h["model_fingerprint"])),
+                )
+            except (CorruptEntry, OSError, KeyError, TypeError, ValueError) as e:
+                log.warning("disk store: dropping damaged %s during rebuild (%s)", path, e)
+                path.unlink(missing_ok=True)
+        db.commit()
+
+    def _upsert(self, key: str, nbytes: int, frag: KVFragment, now: float) -> None:
+        self._db.execute(
+            "INSERT OR REPLACE INTO entries VALUES (?,?,?,?,?,?)",
+            (key, nbytes, frag.expires_at, frag.hit_count, now, frag.model_fingerprint),
+        )
+
+    def _forget(self, key: str) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM entries WHERE key=?", (key,))
+            self._db.commit()
+
+    def _enforce_capacity(self) -> None:
+        with self._lock:
+            total = self._db.execute("SELECT COALESCE(SUM(nbytes),0) FROM entries").fetchone()[0]
+            if total <= self.capacity_bytes:
+                return
+            # expired first, then least recently used
+            rows = self._db.execute(
+                "SELECT key, nbytes FROM entries ORDER BY (expires_at > 0 AND expires_at <= ?) DESC,"
+                " last_access ASC", (time.time(),)
+            ).fetchall()
+        for key, nbytes in rows:
+            if total <= self.capacity_bytes:
+                break
+            self.delete(key)
+            total -= nbytes
+            self._stats.evictions += 1

@@ -1,0 +1,103 @@
+"""RAM tier: an LRU over fragments with a capacity in bytes."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections import OrderedDict
+
+from ..fragment import KVFragment
+from .base import StoreStats, check_key
+
+__all__ = ["MemoryStore"]
+
+log = logging.getLogger(__name__)
+
+
+class MemoryStore:
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self._items: OrderedDict[str, KVFragment] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self._stats = StoreStats(tier="ram", capacity_bytes=capacity_bytes)
+
+    def get(self, key: str, now: float | None = None) -> KVFragment | None:
+        now = time.time() if now is None else now
+        with self._lock:
+            frag = self._items.get(key)
+            if frag is None:
+                self._stats.misses += 1
+                return None
+            if frag.is_expired(now):
+                self._drop(key)
+                self._stats.expired += 1
+                self._stats.misses += 1
+                return None
+            self._items.move_to_end(key)
+            self._stats.hits += 1
+            return frag
+
+    def put(self, key: str, fragment: KVFragment) -> None:
+        check_key(key)
+        size = fragment.nbytes
+        with self._lock:
+            if key in self._items:
+                self._drop(key)
+            if size > self.capacity_bytes:
+                log.debug("fragment %s (%d B) exceeds RAM capacity; not kept in RAM", key, size)
+                return
+            self._items[key] = fragment
+            self._bytes += size
+            while self._bytes > self.capacity_bytes:
+                old, _ = next(iter(self._items.items()))
+                self._drop(old)
+                self._stats.evictions += 1
+
+    def touch(self, key: str, hit_count: int, expires_at: float, now: float | None = None) -> None:
+        with self._lock:
+            frag = self._items.get(key)
+            if frag is not None:
+                self._items[key] = dataclasses.replace(
+                    frag, hit_count=hit_count, expires_at=expires_at
+                )
+
+    def contains(self, key: str) -> bool:
+        with self._lock:
+            return key in self._items
+
+    def delete(self, key: str) -> bool:
+        with self._lock:
+            return self._drop(key)
+
+    def sweep(self, now: float | None = None) -> int:
+        now = time.time() if now is None else now
+        with self._lock:
+            dead = [k for k, f in self._items.items() if f.is_expired(now)]
+            for k in dead:
+                self._drop(k)
+            self._stats.expired += len(dead)
+            return len(dead)
+
+    def clear(self) -> int:
+        with self._lock:
+            n = len(self._items)
+            self._items.clear()
+            self._bytes = 0
+            return n
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            return dataclasses.replace(self._stats, entries=len(self._items), bytes=self._bytes)
+
+    def close(self) -> None:
+        self.clear()
+
+    def _drop(self, key: str) -> bool:
+        frag = self._items.pop(key, None)
+        if frag is None:
+            return False
+        self._bytes -= frag.nbytes
+        return True

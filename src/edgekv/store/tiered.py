@@ -1,0 +1,58 @@
+"""RAM in front of disk: reads fall through and promote, writes go to both."""
+
+from __future__ import annotations
+
+from ..fragment import KVFragment
+from .base import FragmentStore, StoreStats
+
+__all__ = ["TieredStore"]
+
+
+class TieredStore:
+    def __init__(self, *tiers: FragmentStore) -> None:
+        if not tiers:
+            raise ValueError("TieredStore needs at least one tier")
+        self.tiers = tiers
+        self.last_tier: str | None = None  # which tier served the last hit (for reports)
+
+    def get(self, key: str, now: float | None = None) -> KVFragment | None:
+        for i, tier in enumerate(self.tiers):
+            frag = tier.get(key, now)
+            if frag is not None:
+                for upper in self.tiers[:i]:
+                    upper.put(key, frag)
+                self.last_tier = tier.stats().tier
+                return frag
+        self.last_tier = None
+        return None
+
+    def put(self, key: str, fragment: KVFragment) -> None:
+        for tier in self.tiers:
+            tier.put(key, fragment)
+
+    def touch(self, key: str, hit_count: int, expires_at: float, now: float | None = None) -> None:
+        for tier in self.tiers:
+            tier.touch(key, hit_count, expires_at, now)
+
+    def contains(self, key: str) -> bool:
+        return any(t.contains(key) for t in self.tiers)
+
+    def delete(self, key: str) -> bool:
+        return any([t.delete(key) for t in self.tiers])
+
+    def sweep(self, now: float | None = None) -> int:
+        return sum(t.sweep(now) for t in self.tiers)
+
+    def clear(self) -> int:
+        return max(t.clear() for t in self.tiers)
+
+    def stats(self) -> StoreStats:
+        """Stats of the last (largest, persistent) tier; see `tier_stats` for each."""
+        return self.tiers[-1].stats()
+
+    def tier_stats(self) -> list[StoreStats]:
+        return [t.stats() for t in self.tiers]
+
+    def close(self) -> None:
+        for t in self.tiers:
+            t.close()
