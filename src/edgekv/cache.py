@@ -53,6 +53,7 @@ class GenerationResult:
     first_logits: np.ndarray = field(repr=False)
     source_tiers: tuple[str, ...] = ()
     rejections: tuple[str, ...] = ()
+    step_logits: tuple[np.ndarray, ...] = field(default=(), repr=False)  # with keep_logits
 
 
 class EdgeKV:
@@ -113,7 +114,7 @@ class EdgeKV:
 
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 64,
                  temperature: float = 0.0, seed: int = 0, use_cache: bool = True,
-                 store: bool = True) -> GenerationResult:
+                 store: bool = True, keep_logits: bool = False) -> GenerationResult:
         t0 = time.perf_counter()
         a = self.adapter
         tokens = a.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
@@ -129,7 +130,8 @@ class EdgeKV:
         t_inject = time.perf_counter()
         logits = a.prefill(tokens[cached:], align=self.config.chunk_size)
         t_first = time.perf_counter()  # choosing the first token from logits is ~20 us more
-        gen = a.generate(logits, max_tokens, temperature=temperature, seed=seed)
+        gen = a.generate(logits, max_tokens, temperature=temperature, seed=seed,
+                         keep_logits=keep_logits)
         t_gen = time.perf_counter()
         stored = self._store_new(tokens, cached) if (store and use_cache) else 0
         self._record_hits(match)
@@ -140,7 +142,7 @@ class EdgeKV:
             ttft_s=t_first - t0, total_s=t_gen - t0, lookup_s=t_lookup - t0,
             inject_s=t_inject - t_lookup, prefill_s=t_first - t_inject,
             store_s=t_end - t_gen, stored_fragments=stored, first_logits=logits,
-            source_tiers=match.source_tiers, rejections=match.rejections)
+            source_tiers=match.source_tiers, rejections=match.rejections, step_logits=gen.logits)
 
     def clear(self) -> int:
         return self.store.clear()

@@ -20,7 +20,7 @@ from ..errors import EngineError, IncompatibleFragment, UnsupportedLayout
 from ..fragment import KVFragment
 from ..keys import ModelFingerprint, file_sha256
 from .base import FragmentSpec, Generation, aligned_batches, check_injectable, sample_loop
-from .llamacpp_state import SeqState, assemble_seq_state, parse_seq_state
+from .llamacpp_state import SeqState, SeqStateWriter, parse_seq_state
 from .models import resolve_model
 
 __all__ = ["LlamaCppAdapter"]
@@ -43,13 +43,16 @@ class LlamaCppAdapter:
     """One llama.cpp context over one model, holding one sequence (seq 0)."""
 
     def __init__(self, model_path: str | Path | None = None, *, n_ctx: int = 2048,
-                 n_threads: int | None = None, memo_dir: Path | None = None) -> None:
+                 n_threads: int | None = None, memo_dir: Path | None = None,
+                 **llama_kwargs: Any) -> None:
+        """`llama_kwargs` go to `llama_cpp.Llama` (e.g. `flash_attn=True`, `type_k=...`)."""
         self._lib = lib = _import_llama()
         self.model_path = resolve_model(model_path)
         try:
             self._llm = lib.Llama(
                 str(self.model_path), n_ctx=n_ctx, n_batch=2048, n_ubatch=512,
-                n_threads=n_threads or os.cpu_count() or 1, verbose=False, logits_all=False)
+                n_threads=n_threads or os.cpu_count() or 1, verbose=False, logits_all=False,
+                **llama_kwargs)
         except (ValueError, RuntimeError) as e:
             raise EngineError(f"llama.cpp could not load {self.model_path}: {e}") from e
         self._ctx = self._llm._ctx.ctx
@@ -190,9 +193,19 @@ class LlamaCppAdapter:
         n = check_injectable(fragments, self.fingerprint)
         if n > self.n_ctx:
             raise IncompatibleFragment(f"prefix of {n} tokens exceeds the context ({self.n_ctx})")
-        keys, values, ids = self._stack(fragments, n)
+        fp = self.fingerprint
         v_trans = self._v_trans if self._v_trans is not None else self._probe_v_trans()
-        blob = assemble_seq_state(keys, values, v_trans=v_trans)
+        writer = SeqStateWriter(fp.n_layer, n, fp.n_embd_k, fp.n_embd_v,
+                                np.dtype(np.float16 if fp.kv_dtype == "f16" else np.float32),
+                                v_trans=v_trans)
+        ids = np.empty(n, np.int32)
+        for f in fragments:
+            tok = slice(f.token_start, f.token_end)
+            ids[tok] = f.token_ids
+            for i, layer in enumerate(f.layer_indices):
+                writer.k(layer)[tok] = f.keys[i]
+                writer.v(layer)[tok] = f.values[i]
+        blob = writer.blob
         self.clear_kv_cache()
         src = (ctypes.c_uint8 * len(blob)).from_buffer(blob)
         read = self._lib.llama_state_seq_set_data(self._ctx, src, len(blob), 0)
@@ -203,20 +216,6 @@ class LlamaCppAdapter:
         self._llm.input_ids[:n] = ids
         self._llm.n_tokens = n
         return n
-
-    def _stack(self, fragments: Sequence[KVFragment],
-               n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        fp = self.fingerprint
-        dt = np.float16 if fp.kv_dtype == "f16" else np.float32
-        keys = np.empty((fp.n_layer, n, fp.n_embd_k), dt)
-        values = np.empty((fp.n_layer, n, fp.n_embd_v), dt)
-        ids = np.empty(n, np.int32)
-        for f in fragments:
-            tok = slice(f.token_start, f.token_end)
-            keys[f.layer_start : f.layer_end, tok] = f.keys
-            values[f.layer_start : f.layer_end, tok] = f.values
-            ids[tok] = f.token_ids
-        return keys, values, ids
 
     def _probe_v_trans(self) -> bool:
         """Learn whether llama.cpp stores V transposed by writing a one-token state."""

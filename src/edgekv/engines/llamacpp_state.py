@@ -25,7 +25,7 @@ import numpy as np
 
 from ..errors import UnsupportedLayout
 
-__all__ = ["SEQ_MAGIC", "SeqState", "assemble_seq_state", "parse_seq_state"]
+__all__ = ["SEQ_MAGIC", "SeqState", "SeqStateWriter", "assemble_seq_state", "parse_seq_state"]
 
 SEQ_MAGIC = 0xAF143CD8
 GGML_TYPES = {0: np.dtype("<f4"), 1: np.dtype("<f2")}  # GGML_TYPE_F32, GGML_TYPE_F16
@@ -126,26 +126,64 @@ def parse_seq_state(blob: bytes | bytearray | memoryview, *, n_layer: int, n_emb
     return SeqState(k, v, bool(v_trans))
 
 
+class SeqStateWriter:
+    """A blob llama.cpp restores as cells 0..n-1 of `seq_id`, filled in place.
+
+    The header and cell records are written at construction; `k(layer)` and `v(layer)` are
+    writable [token, width] views into the blob (V is a transposed view when llama.cpp keeps V
+    transposed), so fragments are copied exactly once, straight into the bytes llama.cpp reads.
+    """
+
+    def __init__(self, n_layer: int, n: int, n_embd_k: int, n_embd_v: int, dtype: np.dtype,
+                 *, v_trans: bool, seq_id: int = 0) -> None:
+        dt = np.dtype(dtype).newbyteorder("<")
+        tid = _TYPE_IDS[dt]
+        cells = np.zeros(n, dtype=[("pos", "<i4"), ("n_seq", "<u4"), ("seq", "<i4")])
+        cells["pos"] = np.arange(n)
+        cells["n_seq"] = 1
+        cells["seq"] = seq_id
+        head = (struct.pack("<IiII", SEQ_MAGIC, seq_id, 1, n) + cells.tobytes()
+                + struct.pack("<II", 1 if v_trans else 0, n_layer))
+        k_head = struct.pack("<iQ", tid, n_embd_k * dt.itemsize)
+        v_head = (struct.pack("<iII", tid, dt.itemsize, n_embd_v) if v_trans
+                  else struct.pack("<iQ", tid, n_embd_v * dt.itemsize))
+        k_bytes, v_bytes = n * n_embd_k * dt.itemsize, n * n_embd_v * dt.itemsize
+        total = len(head) + n_layer * (len(k_head) + k_bytes + len(v_head) + v_bytes)
+        self.blob = bytearray(total)
+        mv = memoryview(self.blob)
+        mv[: len(head)] = head
+        off = len(head)
+        self._k: list[np.ndarray] = []
+        self._v: list[np.ndarray] = []
+        for _ in range(n_layer):
+            mv[off : off + len(k_head)] = k_head
+            off += len(k_head)
+            self._k.append(np.frombuffer(self.blob, dt, n * n_embd_k, off).reshape(n, n_embd_k))
+            off += k_bytes
+        for _ in range(n_layer):
+            mv[off : off + len(v_head)] = v_head
+            off += len(v_head)
+            if v_trans:
+                arr = np.frombuffer(self.blob, dt, n * n_embd_v, off).reshape(n_embd_v, n).T
+            else:
+                arr = np.frombuffer(self.blob, dt, n * n_embd_v, off).reshape(n, n_embd_v)
+            self._v.append(arr)
+            off += v_bytes
+
+    def k(self, layer: int) -> np.ndarray:
+        return self._k[layer]
+
+    def v(self, layer: int) -> np.ndarray:
+        return self._v[layer]
+
+
 def assemble_seq_state(keys: np.ndarray, values: np.ndarray, *, v_trans: bool,
                        seq_id: int = 0) -> bytearray:
-    """Build a blob llama.cpp restores as cells at positions 0..n-1 of `seq_id`."""
+    """Build a blob from whole keys/values[layer, token, width] arrays."""
     n_layer, n, n_embd_k = keys.shape
-    n_embd_v = values.shape[2]
-    kt, vt = _TYPE_IDS[keys.dtype.newbyteorder("<")], _TYPE_IDS[values.dtype.newbyteorder("<")]
-    cells = np.zeros(n, dtype=[("pos", "<i4"), ("n_seq", "<u4"), ("seq", "<i4")])
-    cells["pos"] = np.arange(n)
-    cells["n_seq"] = 1
-    cells["seq"] = seq_id
-    parts: list[bytes] = [struct.pack("<IiII", SEQ_MAGIC, seq_id, 1, n), cells.tobytes(),
-                          struct.pack("<II", 1 if v_trans else 0, n_layer)]
+    w = SeqStateWriter(n_layer, n, n_embd_k, values.shape[2], keys.dtype, v_trans=v_trans,
+                       seq_id=seq_id)
     for il in range(n_layer):
-        parts.append(struct.pack("<iQ", kt, n_embd_k * keys.itemsize))
-        parts.append(np.ascontiguousarray(keys[il]).tobytes())
-    for il in range(n_layer):
-        if v_trans:
-            parts.append(struct.pack("<iII", vt, values.itemsize, n_embd_v))
-            parts.append(np.ascontiguousarray(values[il].T).tobytes())
-        else:
-            parts.append(struct.pack("<iQ", vt, n_embd_v * values.itemsize))
-            parts.append(np.ascontiguousarray(values[il]).tobytes())
-    return bytearray(b"".join(parts))
+        w.k(il)[:] = keys[il]
+        w.v(il)[:] = values[il]
+    return w.blob

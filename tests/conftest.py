@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edgekv import CacheConfig, EdgeKV, KVFragment, open_store
+from edgekv.engines.fake import FakeAdapter
+
+
+def make_fragment(span: int = 64, n_layer: int = 4, width: int = 8, start: int = 0,
+                  fingerprint: str = "fp", chain_key: str = "ck", seed: int = 0,
+                  **kw: object) -> KVFragment:
+    rng = np.random.default_rng(seed)
+    layers = kw.pop("layers", n_layer)
+    return KVFragment(
+        model_fingerprint=fingerprint, chain_key=chain_key, token_start=start,
+        token_end=start + span, layer_start=0, layer_end=layers, layer_stride=1,
+        n_layer_model=n_layer, token_ids=rng.integers(0, 1000, span, dtype=np.int32),
+        keys=rng.standard_normal((layers, span, width)).astype(np.float16),
+        values=rng.standard_normal((layers, span, width)).astype(np.float16), **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def fragment_factory():
+    return make_fragment
+
+
+@pytest.fixture
+def fake_cache(tmp_path: Path) -> EdgeKV:
+    cfg = CacheConfig(chunk_size=64, cache_dir=tmp_path)
+    kv = EdgeKV(FakeAdapter(), open_store(cfg), cfg)
+    yield kv
+    kv.store.close()
+
+
+def require_real() -> bool:
+    """Under `make test` (EDGEKV_REQUIRE_REAL=1) a missing engine fails instead of skipping."""
+    return os.environ.get("EDGEKV_REQUIRE_REAL") == "1"

@@ -1,0 +1,156 @@
+"""The real engine and the real model: fidelity, reassembly, persistence, damage, refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edgekv import CacheConfig, EdgeKV, UnsupportedLayout, open_store
+from edgekv.engines.base import FragmentSpec
+
+from .conftest import require_real
+
+try:
+    from edgekv.engines.llamacpp import LlamaCppAdapter
+    from edgekv.engines.models import default_model_path
+
+    MODEL = default_model_path()
+    import llama_cpp  # noqa: F401
+except Exception as e:  # noqa: BLE001 - any import/model problem
+    if require_real():
+        raise
+    pytest.skip(f"real engine unavailable: {e}", allow_module_level=True)
+
+pytestmark = pytest.mark.real
+CONTEXT = (Path(__file__).parent.parent / "src/edgekv/bench/texts.py").read_text()
+
+
+@pytest.fixture(scope="module")
+def adapter():
+    a = LlamaCppAdapter(MODEL, n_ctx=2048)
+    yield a
+    a.close()
+
+
+@pytest.fixture
+def kv(adapter, tmp_path):
+    cfg = CacheConfig(cache_dir=tmp_path)
+    k = EdgeKV(adapter, open_store(cfg), cfg)
+    yield k
+    k.store.close()
+
+
+def context_tokens(adapter, n=512):
+    return adapter.tokenize(CONTEXT)[:n]
+
+
+def test_warm_output_and_logits_equal_cold(kv, adapter):
+    ctx = context_tokens(adapter)
+    q1 = adapter.tokenize("\n\nQuestion: How many devices can one hub hold?\nAnswer:", add_bos=False)
+    q2 = adapter.tokenize("\n\nQuestion: What does an orange ring mean?\nAnswer:", add_bos=False)
+    kv.generate(ctx + q1, max_tokens=4)  # fills the cache from another request
+    cold = kv.generate(ctx + q2, max_tokens=16, use_cache=False, keep_logits=True)
+    warm = kv.generate(ctx + q2, max_tokens=16, keep_logits=True)
+    assert warm.cached_tokens == 512 and warm.computed_tokens == len(q2)
+    assert len(warm.tokens) == 16 and warm.tokens == cold.tokens
+    assert len(warm.step_logits) == 16
+    for w, c in zip(warm.step_logits, cold.step_logits):
+        assert np.array_equal(w, c)
+
+
+def test_token_and_layer_range_fragments_reassemble_bit_identical(adapter):
+    adapter.clear_kv_cache()
+    adapter.prefill(context_tokens(adapter, 256), align=128)
+    before = adapter.read_state_blob()
+    specs = [FragmentSpec(f"k{t}", t, t + 128, lo, hi)
+             for t in (0, 128) for lo, hi in ((0, 7), (7, 19), (19, 30))]
+    frags = adapter.extract_fragments(specs)
+    assert [f.keys.shape[0] for f in frags] == [7, 12, 11] * 2
+    adapter.clear_kv_cache()
+    assert adapter.inject_fragments(frags[::-1]) == 256  # any order
+    assert adapter.read_state_blob() == before
+    assert adapter.token_ids == context_tokens(adapter, 256)
+
+
+def test_strided_fragment_is_refused_for_injection(adapter):
+    adapter.clear_kv_cache()
+    adapter.prefill(context_tokens(adapter, 128), align=128)
+    frag = adapter.extract_fragments([FragmentSpec("k", 0, 128, 0, 30, 2)])[0]
+    assert list(frag.layer_indices) == list(range(0, 30, 2))
+    with pytest.raises(Exception, match="stride"):
+        adapter.inject_fragments([frag])
+
+
+def _cli(tmp_path: Path, prompt: str) -> dict:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run(
+        [sys.executable, "-m", "edgekv", "generate", "--json", "--max-tokens", "12",
+         "--cache-dir", str(tmp_path), prompt],
+        capture_output=True, text=True, env=env, timeout=300, check=True)
+    return json.loads(out.stdout)
+
+
+def test_cache_persists_across_processes(tmp_path):
+    prompt = CONTEXT[:1500] + "\n\nQuestion: What is the warranty?\nAnswer:"
+    first = _cli(tmp_path, prompt)
+    second = _cli(tmp_path, prompt)
+    assert first["cached_tokens"] == 0 and first["stored_fragments"] >= 2
+    assert second["cached_tokens"] >= 256 and second["source_tiers"][0] == "disk"
+    assert second["tokens"] == first["tokens"]
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncate", "foreign"])
+def test_damaged_or_foreign_disk_entry_is_a_miss(adapter, tmp_path, damage):
+    from edgekv.serial import decode_fragment, encode_fragment
+    import dataclasses
+
+    cfg = CacheConfig(cache_dir=tmp_path)
+    prompt = context_tokens(adapter, 400) + adapter.tokenize(" Answer:", add_bos=False)
+    kv = EdgeKV(adapter, open_store(cfg), cfg)
+    cold = kv.generate(prompt, max_tokens=8)
+    kv.store.close()
+    key = kv.chunk_keys(prompt)[1]
+    path = next(tmp_path.rglob(f"{key}.ekv"))
+    blob = path.read_bytes()
+    if damage == "corrupt":
+        path.write_bytes(blob[:5000] + bytes([blob[5000] ^ 0xFF]) + blob[5001:])
+    elif damage == "truncate":
+        path.write_bytes(blob[: len(blob) // 3])
+    else:
+        frag = decode_fragment(blob)
+        path.write_bytes(encode_fragment(dataclasses.replace(
+            frag, model_fingerprint="0" * 64, content_hash="")))
+    kv2 = EdgeKV(adapter, open_store(cfg), cfg)  # fresh RAM tier: reads come from disk
+    warm = kv2.generate(prompt, max_tokens=8)
+    kv2.store.close()
+    assert warm.cached_tokens == 128  # chunk 0 reused, the damaged chunk 1 recomputed
+    assert warm.tokens == cold.tokens
+    assert np.array_equal(warm.first_logits, cold.first_logits)
+
+
+def test_quantized_kv_cache_is_refused():
+    with pytest.raises(UnsupportedLayout, match="f16 or f32"):
+        LlamaCppAdapter(MODEL, n_ctx=256, type_k=8, type_v=8, flash_attn=True)
+
+
+def test_flash_attention_layout_also_reuses_exactly(tmp_path):
+    a = LlamaCppAdapter(MODEL, n_ctx=1024, flash_attn=True)
+    try:
+        cfg = CacheConfig(cache_dir=tmp_path)
+        kv = EdgeKV(a, open_store(cfg), cfg)
+        prompt = context_tokens(a, 300) + a.tokenize(" Answer:", add_bos=False)
+        cold = kv.generate(prompt, max_tokens=8, use_cache=False)
+        kv.generate(prompt, max_tokens=1)
+        warm = kv.generate(prompt, max_tokens=8)
+        assert a.read_state().v_trans is False  # V stored row-major with flash attention
+        assert warm.cached_tokens == 256 and warm.tokens == cold.tokens
+        assert np.array_equal(warm.first_logits, cold.first_logits)
+        kv.store.close()
+    finally:
+        a.close()

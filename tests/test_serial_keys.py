@@ -1,0 +1,48 @@
+import numpy as np
+import pytest
+
+from edgekv import CorruptEntry
+from edgekv.keys import ModelFingerprint, chunk_keys
+from edgekv.serial import decode_fragment, encode_fragment
+
+
+def test_round_trip_is_exact(fragment_factory):
+    f = fragment_factory(embedding=np.arange(384, dtype=np.float32), hit_count=3)
+    g = decode_fragment(encode_fragment(f))
+    for name in ("keys", "values", "token_ids", "embedding"):
+        assert np.array_equal(getattr(f, name), getattr(g, name))
+    assert (g.chain_key, g.hit_count, g.content_hash) == (f.chain_key, 3, f.content_hash)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "empty", "magic"])
+def test_damage_is_detected(fragment_factory, damage):
+    blob = bytearray(encode_fragment(fragment_factory()))
+    if damage == "flip":
+        blob[len(blob) // 2] ^= 0x40
+    elif damage == "truncate":
+        blob = blob[: len(blob) - 100]
+    elif damage == "empty":
+        blob = bytearray()
+    else:
+        blob[0:4] = b"XXXX"
+    with pytest.raises(CorruptEntry):
+        decode_fragment(bytes(blob))
+
+
+def test_chain_keys_bind_the_whole_prefix():
+    a = list(range(256))
+    b = [999] + a[1:]  # same second chunk, different first chunk
+    ka, kb = chunk_keys("fp", a, 128), chunk_keys("fp", b, 128)
+    assert len(ka) == 2
+    assert ka[0] != kb[0] and ka[1] != kb[1]  # second chunk differs because its prefix does
+    assert chunk_keys("fp", a + [1, 2, 3], 128) == ka  # partial chunk gets no key
+    assert chunk_keys("other", a, 128) != ka  # model fingerprint is in every key
+
+
+def test_fingerprint_digest_changes_with_layout():
+    base = dict(file_sha256="x", architecture="llama", n_layer=30, n_head_kv=3, head_dim_k=64,
+                head_dim_v=64, kv_dtype="f16", engine="llama.cpp/0.3.36")
+    d = ModelFingerprint(**base).digest
+    assert ModelFingerprint(**{**base, "kv_dtype": "f32"}).digest != d
+    assert ModelFingerprint(**{**base, "file_sha256": "y"}).digest != d
+    assert ModelFingerprint(**base).digest == d

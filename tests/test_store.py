@@ -1,0 +1,104 @@
+import logging
+import sqlite3
+
+import pytest
+
+from edgekv import StoreError
+from edgekv.store import DiskStore, MemoryStore, TieredStore
+
+
+def test_memory_lru_respects_capacity(fragment_factory):
+    f = fragment_factory()
+    store = MemoryStore(capacity_bytes=2 * f.nbytes + 10)
+    for k in ("a", "b"):
+        store.put(k, fragment_factory(chain_key=k))
+    store.get("a")  # a is now most recent
+    store.put("c", fragment_factory(chain_key="c"))
+    assert store.contains("a") and store.contains("c") and not store.contains("b")
+    assert store.stats().evictions == 1
+    assert store.stats().bytes <= store.capacity_bytes
+
+
+def test_memory_expiry(fragment_factory):
+    store = MemoryStore(10**8)
+    store.put("a", fragment_factory().stamped(100.0, 10.0))
+    assert store.get("a", now=105.0) is not None
+    assert store.get("a", now=111.0) is None
+    assert not store.contains("a")
+
+
+def test_disk_persists_across_instances(tmp_path, fragment_factory):
+    f = fragment_factory()
+    DiskStore(tmp_path, 10**9).put("k1", f)
+    g = DiskStore(tmp_path, 10**9).get("k1")
+    assert g is not None and (g.keys == f.keys).all()
+    assert not list(tmp_path.rglob("*.tmp"))  # atomic write leaves no temp file
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "zero"])
+def test_disk_damaged_entry_is_a_logged_miss(tmp_path, fragment_factory, caplog, damage):
+    store = DiskStore(tmp_path, 10**9)
+    store.put("k1", fragment_factory())
+    path = next(tmp_path.rglob("k1.ekv"))
+    data = bytearray(path.read_bytes())
+    if damage == "flip":
+        data[200] ^= 1
+    elif damage == "truncate":
+        data = data[: len(data) // 2]
+    else:
+        data = bytearray()
+    path.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING):
+        assert store.get("k1") is None
+    assert "damaged" in caplog.text
+    assert store.stats().corrupt == 1
+    assert not path.exists() and store.stats().entries == 0
+
+
+def test_disk_capacity_evicts_least_recently_used(tmp_path, fragment_factory):
+    one = len(__import__("edgekv.serial", fromlist=["x"]).encode_fragment(fragment_factory()))
+    store = DiskStore(tmp_path, capacity_bytes=2 * one + 10)
+    store.put("a", fragment_factory(chain_key="a"))
+    store.put("b", fragment_factory(chain_key="b"))
+    store.get("a")
+    store.put("c", fragment_factory(chain_key="c"))
+    assert set(store.keys()) == {"a", "c"}
+    assert store.stats().bytes <= store.capacity_bytes
+
+
+def test_disk_ttl_sweep_and_touch(tmp_path, fragment_factory):
+    store = DiskStore(tmp_path, 10**9)
+    store.put("old", fragment_factory().stamped(100.0, 10.0))
+    store.put("new", fragment_factory().stamped(100.0, 1000.0))
+    store.touch("new", hit_count=5, expires_at=5000.0, now=101.0)
+    assert store.sweep(now=200.0) == 1
+    assert store.keys() == ["new"]
+    g = DiskStore(tmp_path, 10**9).get("new", now=300.0)
+    assert g is not None and g.hit_count == 5 and g.expires_at == 5000.0
+    assert DiskStore(tmp_path, 10**9).get("new", now=6000.0) is None
+
+
+def test_damaged_index_is_rebuilt_from_files(tmp_path, fragment_factory, caplog):
+    store = DiskStore(tmp_path, 10**9)
+    store.put("a", fragment_factory())
+    store.close()
+    for p in tmp_path.glob("index.sqlite3*"):
+        p.write_bytes(b"this is not a database" * 100)
+    with caplog.at_level(logging.WARNING):
+        again = DiskStore(tmp_path, 10**9)
+    assert "rebuilding" in caplog.text
+    assert again.keys() == ["a"] and again.get("a") is not None
+    sqlite3.connect(tmp_path / "index.sqlite3").execute("SELECT * FROM entries").fetchall()
+
+
+def test_bad_key_is_a_clear_error(tmp_path, fragment_factory):
+    with pytest.raises(StoreError, match="key"):
+        DiskStore(tmp_path, 10**9).put("../escape", fragment_factory())
+
+
+def test_tiered_promotes_disk_hits_to_ram(tmp_path, fragment_factory):
+    ram, disk = MemoryStore(10**8), DiskStore(tmp_path, 10**9)
+    disk.put("a", fragment_factory())
+    t = TieredStore(ram, disk)
+    assert t.get("a") is not None and t.last_tier == "disk"
+    assert t.get("a") is not None and t.last_tier == "ram"
