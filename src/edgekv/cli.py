@@ -92,9 +92,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     res = run_reuse_bench(model=args.model, runs=args.runs, context_tokens=args.context_tokens,
                           max_tokens=args.max_tokens, chunk_size=args.chunk_size or 128,
                           n_ctx=args.n_ctx, progress=progress)
-    print(reuse_table(res))
+    text = reuse_table(res)
+    print(text)
     if args.json:
-        print(f"wrote {write_json(args.json, res)}")
+        path = write_json(args.json, res)
+        path.with_suffix(".md").write_text(f"# edgekv bench reuse\n\n{text}\n")
+        print(f"wrote {path} and {path.with_suffix('.md')}")
     return 0
 
 
