@@ -1,9 +1,10 @@
-"""The orchestrator: look up the longest cached prefix, inject it, prefill the rest, store.
+"""The orchestrator: find reusable KV, inject it, prefill the rest, generate, store.
 
-Strict by construction: a fragment is injected only if its model fingerprint, chain key (the
-whole prefix), token ids, positions and layers all match the request; anything else is
-reported as a rejection and recomputed. With aligned prefill (see `engines.base`) a warm
-request therefore produces the same logits as a cold one.
+Strict by default: KV is injected only where the model fingerprint, the chain of prefix keys
+and the token ids all match the request (see `lookup`), and prefill runs in chunk-aligned
+batches, so a warm request produces the same logits as a cold one. Approximate reuse (the
+EdgeSync seed's "inject on similarity") must be asked for, is labelled in every result, and
+never writes fragments: KV computed on top of another prompt's KV is not this prompt's KV.
 """
 
 from __future__ import annotations
@@ -11,15 +12,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from .config import CacheConfig
 from .engines.base import FragmentSpec, KVAdapter
 from .errors import EdgeKVError, EngineError, IncompatibleFragment
-from .fragment import KVFragment, next_expiry
-from .keys import ChunkKey, chunk_keys
+from .fragment import MIN_SPAN, KVFragment, next_expiry
+from .keys import ChunkKey, chunk_keys, next_key
+from .lookup import Chunk, ChunkReader
 from .store.base import FragmentStore
 
 __all__ = ["EdgeKV", "GenerationResult", "PrefixMatch"]
@@ -29,11 +31,23 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class PrefixMatch:
-    n_tokens: int  # tokens covered by `fragments`
-    fragments: tuple[KVFragment, ...]
-    store_keys: tuple[str, ...]
+    n_tokens: int  # tokens to restore
+    chunks: tuple[Chunk, ...] = ()
+    exact_tokens: int = 0  # covered by the exact chain walk
+    approximate: bool = False
+    mismatched_tokens: int = 0  # approximate mode: restored positions whose token differs
+    tier: str = "none"  # exact / partial / miss from the semantic router, "none" without one
+    similarity: float = 0.0
+    route_s: float = 0.0
     rejections: tuple[str, ...] = ()
-    source_tiers: tuple[str, ...] = ()
+
+    @property
+    def fragments(self) -> tuple[KVFragment, ...]:
+        return tuple(f for c in self.chunks for f in c.fragments)
+
+    @property
+    def source_tiers(self) -> tuple[str, ...]:
+        return tuple(c.tier for c in self.chunks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,70 +65,84 @@ class GenerationResult:
     store_s: float
     stored_fragments: int
     first_logits: np.ndarray = field(repr=False)
-    source_tiers: tuple[str, ...] = ()
-    rejections: tuple[str, ...] = ()
+    match: PrefixMatch = field(default_factory=lambda: PrefixMatch(0), repr=False)
     step_logits: tuple[np.ndarray, ...] = field(default=(), repr=False)  # with keep_logits
+
+    @property
+    def source_tiers(self) -> tuple[str, ...]:
+        return self.match.source_tiers
+
+    @property
+    def rejections(self) -> tuple[str, ...]:
+        return self.match.rejections
 
 
 class EdgeKV:
-    """Prefix KV reuse over one engine adapter and one (tiered) fragment store."""
+    """Prefix KV reuse over one engine adapter, one (tiered) store and an optional router."""
 
     def __init__(self, adapter: KVAdapter, store: FragmentStore,
-                 config: CacheConfig | None = None) -> None:
-        self.adapter = adapter
-        self.store = store
+                 config: CacheConfig | None = None, *, router: object | None = None,
+                 prefetcher: object | None = None) -> None:
+        self.adapter, self.store = adapter, store
         self.config = config or CacheConfig()
+        self.router = router  # semantic.SemanticRouter (duck-typed to keep the layers apart)
+        self.prefetcher = prefetcher
         self.fingerprint = adapter.fingerprint.digest
         n_layer = adapter.fingerprint.n_layer
         step = self.config.layers_per_fragment or n_layer
-        self._layer_groups = [(lo, min(n_layer, lo + step)) for lo in range(0, n_layer, step)]
+        groups = [(lo, min(n_layer, lo + step)) for lo in range(0, n_layer, step)]
+        self.reader = ChunkReader(store, self.fingerprint, n_layer, groups)
+        if router is not None and hasattr(store, "add_remove_listener"):
+            store.add_remove_listener(self._on_store_remove)
 
     # -- public API ----------------------------------------------------------------------
 
     def chunk_keys(self, tokens: Sequence[int]) -> list[ChunkKey]:
         return chunk_keys(self.fingerprint, tokens, self.config.chunk_size)
 
-    def lookup(self, tokens: Sequence[int], now: float | None = None) -> PrefixMatch:
-        """Longest run of verified cached chunks from position 0.
-
-        At most (len(tokens) - 1) // chunk_size chunks are reused, so at least one prompt
-        token is always computed: the first generated token needs its logits.
-        """
+    def lookup(self, tokens: Sequence[int], text: str | None = None, *,
+               approximate: bool | None = None, now: float | None = None) -> PrefixMatch:
+        """What to restore for `tokens`: at most len(tokens) - 1 positions, so the first
+        output token's logits are always computed."""
         now = time.time() if now is None else now
-        c = self.config.chunk_size
-        ids = np.asarray(tokens, dtype=np.int32)
-        keys = self.chunk_keys(tokens)[: max(0, (len(tokens) - 1) // c)]
-        frags: list[KVFragment] = []
-        store_keys: list[str] = []
-        tiers: list[str] = []
+        approximate = self.config.approximate if approximate is None else approximate
+        c, ids, limit = self.config.chunk_size, np.asarray(tokens, np.int32), len(tokens) - 1
         rejections: list[str] = []
-        for i, key in enumerate(keys):
-            got: list[tuple[str, KVFragment]] = []
-            for lo, hi in self._layer_groups:
-                skey = self._store_key(key, lo, hi)
-                frag = self.store.get(skey, now)
-                if frag is None:
-                    break
-                try:
-                    self._verify(frag, key, ids, i * c, (i + 1) * c, lo, hi)
-                except IncompatibleFragment as e:
-                    log.warning("rejected cached fragment %s: %s", skey, e)
-                    rejections.append(f"{skey[:16]}: {e}")
-                    break
-                got.append((skey, frag))
-                tier = getattr(self.store, "last_tier", None)
-                tiers.append(tier or "store")
-            if len(got) != len(self._layer_groups):
+        chunks: list[Chunk] = []
+        for key in self.chunk_keys(tokens)[: limit // c]:
+            chunk = self.reader.read(key, now, rejections)
+            if chunk is None:
                 break
-            for skey, frag in got:
-                store_keys.append(skey)
-                frags.append(frag)
-        n = (len(frags) // len(self._layer_groups)) * c
-        return PrefixMatch(n, tuple(frags), tuple(store_keys), tuple(rejections), tuple(tiers))
+            chunks.append(chunk)
+        n = len(chunks) * c
+        exact = PrefixMatch(n, tuple(chunks), n, rejections=tuple(rejections))
+        if self.router is None or text is None:
+            return exact
+        route = self.router.route(text)  # type: ignore[attr-defined]
+        base = replace(exact, tier=route.tier.value, similarity=route.similarity,
+                       route_s=route.embed_s + route.search_s)
+        self._last_route = route
+        if route.tier.value == "miss":
+            return base
+        best = base
+        parent = chunks[-1].chain_key if chunks else ""
+        for cand, sim in route.candidates:
+            if sim < self.router.partial:  # type: ignore[attr-defined]
+                continue
+            ext = self._extend(cand, ids, n, parent, limit, now, rejections)
+            if ext is not None and n + ext[1] > best.n_tokens:
+                best = replace(base, n_tokens=n + ext[1], chunks=tuple(chunks) + tuple(ext[0]))
+        if approximate and route.candidates:
+            approx = self._approximate(route.candidates[0][0], ids, limit, now, rejections)
+            if approx is not None and approx.n_tokens > best.n_tokens:
+                best = replace(approx, exact_tokens=n, tier=base.tier, similarity=base.similarity,
+                               route_s=base.route_s)
+        return replace(best, rejections=tuple(rejections))
 
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 64,
                  temperature: float = 0.0, seed: int = 0, use_cache: bool = True,
-                 store: bool = True, keep_logits: bool = False) -> GenerationResult:
+                 store: bool = True, keep_logits: bool = False,
+                 approximate: bool | None = None) -> GenerationResult:
         t0 = time.perf_counter()
         a = self.adapter
         tokens = a.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
@@ -124,59 +152,95 @@ class EdgeKV:
             raise EdgeKVError(
                 f"prompt ({len(tokens)} tokens) + max_tokens ({max_tokens}) exceeds the context "
                 f"window ({a.n_ctx}); shorten the prompt or raise --n-ctx")
-        match = self.lookup(tokens) if use_cache else PrefixMatch(0, (), ())
+        text = prompt if isinstance(prompt, str) else None
+        if text is None and self.router is not None and use_cache:
+            text = a.detokenize(tokens)
+        self._last_route = None
+        match = self.lookup(tokens, text, approximate=approximate) if use_cache else PrefixMatch(0)
         t_lookup = time.perf_counter()
         cached = self._inject(match)
+        if cached != match.n_tokens:
+            match = PrefixMatch(0, rejections=match.rejections)
         t_inject = time.perf_counter()
         logits = a.prefill(tokens[cached:], align=self.config.chunk_size)
         t_first = time.perf_counter()  # choosing the first token from logits is ~20 us more
         gen = a.generate(logits, max_tokens, temperature=temperature, seed=seed,
                          keep_logits=keep_logits)
         t_gen = time.perf_counter()
-        stored = self._store_new(tokens, cached) if (store and use_cache) else 0
+        stored = 0
+        if store and use_cache and not match.approximate:
+            stored = self._store_new(tokens, cached)
         self._record_hits(match)
+        if self.prefetcher is not None and use_cache:
+            self.prefetcher.observe(self._signature(tokens))  # type: ignore[attr-defined]
         t_end = time.perf_counter()
         return GenerationResult(
             text=a.detokenize(gen.tokens), tokens=gen.tokens, prompt_tokens=len(tokens),
             cached_tokens=cached, computed_tokens=len(tokens) - cached,
             ttft_s=t_first - t0, total_s=t_gen - t0, lookup_s=t_lookup - t0,
             inject_s=t_inject - t_lookup, prefill_s=t_first - t_inject,
-            store_s=t_end - t_gen, stored_fragments=stored, first_logits=logits,
-            source_tiers=match.source_tiers, rejections=match.rejections, step_logits=gen.logits)
+            store_s=t_end - t_gen, stored_fragments=stored, first_logits=logits, match=match,
+            step_logits=gen.logits)
 
     def clear(self) -> int:
-        return self.store.clear()
+        n = self.store.clear()
+        if self.router is not None:
+            self.router.index.clear()  # type: ignore[attr-defined]
+            self.router.index.save()  # type: ignore[attr-defined]
+        return n
+
+    def sweep(self, now: float | None = None) -> int:
+        """Drop expired fragments (their index entries go with them)."""
+        n = self.store.sweep(now)
+        if self.router is not None:
+            self.router.index.save()  # type: ignore[attr-defined]
+        return n
+
+    def close(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.close()  # type: ignore[attr-defined]
+        if self.router is not None:
+            self.router.index.save()  # type: ignore[attr-defined]
+        self.store.close()
 
     # -- private helpers -----------------------------------------------------------------
 
-    def _store_key(self, key: str, lo: int, hi: int) -> str:
-        if len(self._layer_groups) == 1:
-            return key
-        return f"{key}.L{lo}-{hi}"
+    def _extend(self, cand: str, ids: np.ndarray, start: int, parent: str, limit: int,
+                now: float, rejections: list[str]) -> tuple[list[Chunk], int] | None:
+        """Verified tokens a candidate adds after `start`, and the chunks that hold them."""
+        chain = self.reader.chain_back(cand, start, now, rejections)
+        if not chain or chain[0].head.parent_key != parent:
+            return None
+        pos, used = start, []
+        for chunk in chain:
+            if chunk.token_start != pos or pos >= limit:
+                break
+            same = chunk.head.prefix_len(ids[pos : limit])
+            if same == 0:
+                break
+            used.append(chunk)
+            pos += same
+            if same < chunk.head.span:
+                break
+        return (used, pos - start) if used else None
 
-    def _verify(self, frag: KVFragment, key: str, ids: np.ndarray, start: int, end: int,
-                lo: int, hi: int) -> None:
-        if frag.model_fingerprint != self.fingerprint:
-            raise IncompatibleFragment(
-                f"made by another model ({frag.model_fingerprint[:12]}, this is {self.fingerprint[:12]})")
-        if frag.chain_key != key:
-            raise IncompatibleFragment("its chain key does not match the request prefix")
-        if (frag.token_start, frag.token_end) != (start, end):
-            raise IncompatibleFragment(
-                f"covers tokens [{frag.token_start}, {frag.token_end}), needed [{start}, {end})")
-        if not np.array_equal(frag.token_ids, ids[start:end]):
-            raise IncompatibleFragment("its token ids differ from the request's")
-        if (frag.layer_start, frag.layer_end, frag.layer_stride) != (lo, hi, 1):
-            raise IncompatibleFragment(
-                f"holds layers [{frag.layer_start}, {frag.layer_end}) stride {frag.layer_stride}, "
-                f"needed [{lo}, {hi}) stride 1")
+    def _approximate(self, cand: str, ids: np.ndarray, limit: int, now: float,
+                     rejections: list[str]) -> PrefixMatch | None:
+        chain = self.reader.chain_back(cand, 0, now, rejections)
+        if not chain or chain[-1].token_end < 1:
+            return None
+        n = min(chain[-1].token_end, limit)
+        used = [ch for ch in chain if ch.token_start < n]
+        stored_ids = np.concatenate([ch.head.token_ids for ch in used])[:n]
+        mismatched = int(np.count_nonzero(stored_ids != ids[:n]))
+        return PrefixMatch(n, tuple(used), approximate=mismatched > 0, mismatched_tokens=mismatched)
 
     def _inject(self, match: PrefixMatch) -> int:
         self.adapter.clear_kv_cache()
-        if not match.fragments:
+        if not match.chunks:
             return 0
         try:
-            return self.adapter.inject_fragments(match.fragments)
+            return self.adapter.inject_fragments(match.fragments, limit=match.n_tokens)
         except (IncompatibleFragment, EngineError) as e:
             log.warning("injection refused (%s); recomputing the whole prompt", e)
             self.adapter.clear_kv_cache()
@@ -185,13 +249,20 @@ class EdgeKV:
     def _store_new(self, tokens: Sequence[int], cached: int) -> int:
         c = self.config.chunk_size
         keys = self.chunk_keys(tokens)
-        first_new = cached // c
-        specs = [
-            FragmentSpec(key, i * c, (i + 1) * c, lo, hi)
-            for i, key in enumerate(keys) if i >= first_new
-            for lo, hi in self._layer_groups
-            if not self.store.contains(self._store_key(key, lo, hi))
-        ]
+        spans: list[tuple[str, str, int, int]] = []  # chain key, parent, start, end
+        for i, key in enumerate(keys):
+            if (i + 1) * c > cached:
+                spans.append((key, keys[i - 1] if i else "", i * c, (i + 1) * c))
+        tail = len(tokens) - len(keys) * c
+        if tail >= MIN_SPAN:  # a trailing partial chunk, found again by semantic search
+            parent = keys[-1] if keys else ""
+            start = len(keys) * c
+            spans.append((next_key(parent, self.fingerprint, tokens[start:]), parent, start,
+                          len(tokens)))
+        specs = [FragmentSpec(key, lo, hi, glo, ghi, parent_key=parent)
+                 for key, parent, lo, hi in spans
+                 for glo, ghi in self.reader.layer_groups
+                 if not self.store.contains(self.reader.store_key(key, glo, ghi))]
         if not specs:
             return 0
         now = time.time()
@@ -200,14 +271,31 @@ class EdgeKV:
         except EngineError as e:
             log.warning("could not extract KV for caching (%s); nothing stored", e)
             return 0
+        route = getattr(self, "_last_route", None)
+        deepest = max(f.token_end for f in frags)
         for spec, frag in zip(specs, frags):
-            key = self._store_key(spec.chain_key, spec.layer_start, frag.layer_end)
-            self.store.put(key, frag.stamped(now, self.config.ttl_s))
+            frag = frag.stamped(now, self.config.ttl_s)
+            if route is not None and frag.token_end == deepest:
+                frag = replace(frag, embedding=route.embedding)
+            self.store.put(self.reader.store_key(spec.chain_key, spec.layer_start, frag.layer_end),
+                           frag)
+        if route is not None:
+            deep_key = next(s.chain_key for s, f in zip(specs, frags) if f.token_end == deepest)
+            self.router.index.add(deep_key, route.embedding)  # type: ignore[union-attr]
+            self.router.index.save()  # type: ignore[union-attr]
         return len(frags)
 
     def _record_hits(self, match: PrefixMatch) -> None:
         cfg, now = self.config, time.time()
-        for skey, frag in zip(match.store_keys, match.fragments):
-            hits = frag.hit_count + 1
-            expires = next_expiry(hits, now, cfg.ttl_s, cfg.promoted_ttl_s, cfg.promote_hits)
-            self.store.touch(skey, hits, expires, now)
+        for chunk in match.chunks:
+            for skey, frag in zip(chunk.store_keys, chunk.fragments):
+                hits = frag.hit_count + 1
+                expires = next_expiry(hits, now, cfg.ttl_s, cfg.promoted_ttl_s, cfg.promote_hits)
+                self.store.touch(skey, hits, expires, now)
+
+    def _signature(self, tokens: Sequence[int]) -> str | None:
+        keys = self.chunk_keys(tokens)
+        return keys[-1] if keys else None
+
+    def _on_store_remove(self, store_key: str) -> None:
+        self.router.index.remove(store_key.split(".", 1)[0])  # type: ignore[union-attr]

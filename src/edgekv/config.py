@@ -37,6 +37,12 @@ class CacheConfig:
     ttl_s: float = 30 * 60.0
     promoted_ttl_s: float = 7 * 24 * 3600.0
     promote_hits: int = 5
+    # Seed (EdgeSync-LLM): EXACT >= 0.92, PARTIAL >= 0.75, else MISS; top-k candidates checked.
+    semantic_exact: float = 0.92
+    semantic_partial: float = 0.75
+    semantic_k: int = 4
+    # Inject similar-but-different KV (the seed's behaviour). Off: reuse is token-verified.
+    approximate: bool = False
     cache_dir: Path = field(default_factory=default_cache_dir)
 
     def __post_init__(self) -> None:
@@ -56,6 +62,12 @@ class CacheConfig:
             )
         if self.promote_hits < 1:
             raise ConfigError(f"promote_hits={self.promote_hits} must be >= 1")
+        if not 0.0 <= self.semantic_partial <= self.semantic_exact <= 1.0:
+            raise ConfigError(
+                f"semantic thresholds must satisfy 0 <= partial ({self.semantic_partial}) <= "
+                f"exact ({self.semantic_exact}) <= 1")
+        if self.semantic_k < 1:
+            raise ConfigError(f"semantic_k={self.semantic_k} must be >= 1")
         object.__setattr__(self, "cache_dir", Path(self.cache_dir))
 
     @classmethod
@@ -67,7 +79,12 @@ class CacheConfig:
             if raw is None or f.name == "cache_dir":
                 continue
             try:
-                values[f.name] = float(raw) if f.name.endswith("_s") else int(raw)
+                if f.name == "approximate":
+                    values[f.name] = raw.strip().lower() in ("1", "true", "yes", "on")
+                elif f.name.endswith("_s") or f.name.startswith("semantic_") and f.name != "semantic_k":
+                    values[f.name] = float(raw)
+                else:
+                    values[f.name] = int(raw)
             except ValueError:
                 raise ConfigError(f"EDGEKV_{f.name.upper()}={raw!r} is not a number") from None
         values.update({k: v for k, v in overrides.items() if v is not None})

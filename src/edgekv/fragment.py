@@ -55,6 +55,9 @@ class KVFragment:
     expires_at: float = 0.0
     hit_count: int = 0
     content_hash: str = ""
+    parent_key: str = ""  # chain key of the chunk before this one ("" for the first chunk)
+    head_start: int = 0  # KV heads [head_start, head_end); head_end 0 means all heads
+    head_end: int = 0
 
     def __post_init__(self) -> None:
         span = self.token_end - self.token_start
@@ -94,6 +97,14 @@ class KVFragment:
             object.__setattr__(self, "embedding", emb)
         if self.hit_count < 0:
             raise _fail("hit_count", self.hit_count, ">= 0")
+        if self.head_end:
+            n_heads = self.head_end - self.head_start
+            if self.head_start < 0 or n_heads < 1:
+                raise _fail("head_start", self.head_start, f"[0, head_end={self.head_end})")
+            for name in ("keys", "values"):
+                if getattr(self, name).shape[2] % n_heads:
+                    raise _fail(f"{name}.shape[2]", getattr(self, name).shape[2],
+                                f"a multiple of the {n_heads} heads it holds")
         expected = content_hash(self.model_fingerprint, self.token_ids)
         if not self.content_hash:
             object.__setattr__(self, "content_hash", expected)
@@ -119,6 +130,10 @@ class KVFragment:
         return int(self.keys.nbytes + self.values.nbytes + self.token_ids.nbytes)
 
     @property
+    def all_heads(self) -> bool:
+        return self.head_end == 0
+
+    @property
     def is_dense(self) -> bool:
         """True when every layer in [layer_start, layer_end) is present (stride 1)."""
         return self.layer_stride == 1
@@ -134,6 +149,12 @@ class KVFragment:
 
     def with_lifecycle(self, hit_count: int, expires_at: float) -> KVFragment:
         return dataclasses.replace(self, hit_count=hit_count, expires_at=expires_at)
+
+    def prefix_len(self, token_ids: np.ndarray) -> int:
+        """How many leading tokens of this fragment equal `token_ids` (compared position-wise)."""
+        n = min(self.span, len(token_ids))
+        diff = np.flatnonzero(self.token_ids[:n] != np.asarray(token_ids[:n], dtype=np.int32))
+        return int(diff[0]) if diff.size else n
 
     def layer_slice(self, layer_start: int, layer_end: int) -> KVFragment:
         """The sub-fragment holding layers [layer_start, layer_end) (dense fragments only)."""

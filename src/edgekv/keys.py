@@ -23,6 +23,7 @@ __all__ = [
     "ModelFingerprint",
     "chunk_keys",
     "file_sha256",
+    "next_key",
     "token_bytes",
 ]
 
@@ -61,16 +62,25 @@ def token_bytes(token_ids: Sequence[int]) -> bytes:
     return np.asarray(token_ids, dtype="<i4").tobytes()
 
 
+def root_digest(fingerprint: str) -> bytes:
+    return hashlib.sha256(b"edgekv-root\0" + fingerprint.encode()).digest()
+
+
+def next_key(parent: str, fingerprint: str, token_ids: Sequence[int]) -> ChunkKey:
+    """Key of the chunk holding `token_ids` after the chunk keyed `parent` ("" = start)."""
+    h = hashlib.sha256(bytes.fromhex(parent) if parent else root_digest(fingerprint))
+    h.update(fingerprint.encode())
+    h.update(token_bytes(token_ids))
+    return ChunkKey(h.hexdigest())
+
+
 def chunk_keys(fingerprint: str, token_ids: Sequence[int], chunk_size: int) -> list[ChunkKey]:
     """Keys of the full chunks of `token_ids`; a trailing partial chunk gets none."""
     keys: list[ChunkKey] = []
-    parent = hashlib.sha256(b"edgekv-root\0" + fingerprint.encode()).digest()
+    parent = ""
     for start in range(0, len(token_ids) - chunk_size + 1, chunk_size):
-        h = hashlib.sha256(parent)
-        h.update(fingerprint.encode())
-        h.update(token_bytes(token_ids[start : start + chunk_size]))
-        parent = h.digest()
-        keys.append(ChunkKey(parent.hex()))
+        parent = next_key(parent, fingerprint, token_ids[start : start + chunk_size])
+        keys.append(parent)
     return keys
 
 

@@ -20,12 +20,13 @@ from .fragment import KVFragment
 __all__ = ["FORMAT_VERSION", "decode_fragment", "encode_fragment", "peek_header"]
 
 MAGIC = b"EKVF"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _PREFIX = struct.Struct("<4sHI")
 _DIGEST = 32
 _SCALARS = (
     "model_fingerprint", "chain_key", "token_start", "token_end", "layer_start", "layer_end",
     "layer_stride", "n_layer_model", "created_at", "expires_at", "hit_count", "content_hash",
+    "parent_key", "head_start", "head_end",
 )
 _ARRAYS = ("token_ids", "keys", "values", "embedding")
 

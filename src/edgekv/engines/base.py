@@ -23,7 +23,7 @@ from ..fragment import KVFragment
 from ..keys import ModelFingerprint
 
 __all__ = ["FragmentSpec", "Generation", "KVAdapter", "aligned_batches", "check_injectable",
-           "sample_loop"]
+           "injection_length", "sample_loop"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +36,7 @@ class FragmentSpec:
     layer_start: int = 0
     layer_end: int | None = None  # None: all layers
     layer_stride: int = 1
+    parent_key: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,8 +74,10 @@ class KVAdapter(Protocol):
 
     def extract_fragments(self, specs: Sequence[FragmentSpec]) -> list[KVFragment]: ...
 
-    def inject_fragments(self, fragments: Sequence[KVFragment]) -> int:
-        """Replace the context with the prefix the fragments cover; return its length."""
+    def inject_fragments(self, fragments: Sequence[KVFragment], limit: int | None = None) -> int:
+        """Replace the context with the prefix the fragments cover (cut to its first `limit`
+        tokens if given, e.g. where a verified common prefix ends inside a fragment); return
+        its length."""
         ...
 
     def generate(self, logits: np.ndarray, max_tokens: int, *, temperature: float = 0.0,
@@ -128,6 +131,17 @@ def sample_loop(adapter: KVAdapter, logits: np.ndarray, max_tokens: int, *, temp
     return Generation(tuple(tokens), tuple(kept), eos)
 
 
+def injection_length(fragments: Sequence[KVFragment], fp: ModelFingerprint,
+                     limit: int | None) -> int:
+    """`check_injectable`, then the number of tokens to restore given `limit`."""
+    n = check_injectable(fragments, fp)
+    if limit is None:
+        return n
+    if not 0 < limit <= n:
+        raise IncompatibleFragment(f"limit={limit} must be in [1, {n}] (the tokens covered)")
+    return limit
+
+
 def check_injectable(fragments: Sequence[KVFragment], fp: ModelFingerprint) -> int:
     """Check fragments form a complete prefix [0, n) with every layer; return n.
 
@@ -144,6 +158,10 @@ def check_injectable(fragments: Sequence[KVFragment], fp: ModelFingerprint) -> i
         if f.n_layer_model != fp.n_layer:
             raise IncompatibleFragment(
                 f"fragment has {f.n_layer_model} model layers, this model {fp.n_layer}")
+        if not f.all_heads:
+            raise IncompatibleFragment(
+                f"fragment {f.chain_key[:12]} holds KV heads [{f.head_start}, {f.head_end}) only; "
+                "merge head groups (compactor) before injecting")
         if not f.is_dense:
             raise IncompatibleFragment(
                 f"fragment {f.chain_key[:12]} samples layers with stride {f.layer_stride}; "

@@ -16,7 +16,7 @@ import numpy as np
 from ..errors import EngineError
 from ..fragment import KVFragment
 from ..keys import ModelFingerprint
-from .base import FragmentSpec, Generation, check_injectable, sample_loop
+from .base import FragmentSpec, Generation, injection_length, sample_loop
 
 __all__ = ["FakeAdapter"]
 
@@ -102,21 +102,25 @@ class FakeAdapter:
             out.append(KVFragment(
                 model_fingerprint=fp.digest, chain_key=s.chain_key, token_start=s.token_start,
                 token_end=s.token_end, layer_start=s.layer_start, layer_end=le,
-                layer_stride=s.layer_stride, n_layer_model=fp.n_layer,
+                layer_stride=s.layer_stride, parent_key=s.parent_key, n_layer_model=fp.n_layer,
                 token_ids=np.asarray(self._ids[tok], np.int32),
                 keys=k[lay, tok].copy(), values=v[lay, tok].copy()))
         return out
 
-    def inject_fragments(self, fragments: Sequence[KVFragment]) -> int:
-        n = check_injectable(fragments, self.fingerprint)
+    def inject_fragments(self, fragments: Sequence[KVFragment], limit: int | None = None) -> int:
+        n = injection_length(fragments, self.fingerprint, limit)
         fp = self.fingerprint
         k = np.empty((fp.n_layer, n, fp.n_embd_k), np.float16)
         v = np.empty((fp.n_layer, n, fp.n_embd_v), np.float16)
         ids = [0] * n
         for f in fragments:
-            k[f.layer_start : f.layer_end, f.token_start : f.token_end] = f.keys
-            v[f.layer_start : f.layer_end, f.token_start : f.token_end] = f.values
-            ids[f.token_start : f.token_end] = f.token_ids.tolist()
+            if f.token_start >= n:
+                continue
+            end = min(f.token_end, n)
+            m = end - f.token_start
+            k[f.layer_start : f.layer_end, f.token_start : end] = f.keys[:, :m]
+            v[f.layer_start : f.layer_end, f.token_start : end] = f.values[:, :m]
+            ids[f.token_start : end] = f.token_ids[:m].tolist()
         self.clear_kv_cache()
         self._ids = ids
         # the prefix hash chain is recomputed from the token ids (cheap, no KV involved)

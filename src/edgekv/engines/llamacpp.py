@@ -19,7 +19,7 @@ import numpy as np
 from ..errors import EngineError, IncompatibleFragment, UnsupportedLayout
 from ..fragment import KVFragment
 from ..keys import ModelFingerprint, file_sha256
-from .base import FragmentSpec, Generation, aligned_batches, check_injectable, sample_loop
+from .base import FragmentSpec, Generation, aligned_batches, injection_length, sample_loop
 from .llamacpp_state import SeqState, SeqStateWriter, parse_seq_state
 from .models import resolve_model
 
@@ -183,14 +183,14 @@ class LlamaCppAdapter:
             out.append(KVFragment(
                 model_fingerprint=self.fingerprint.digest, chain_key=s.chain_key,
                 token_start=s.token_start, token_end=s.token_end, layer_start=s.layer_start,
-                layer_end=layer_end, layer_stride=s.layer_stride,
+                layer_end=layer_end, layer_stride=s.layer_stride, parent_key=s.parent_key,
                 n_layer_model=self.fingerprint.n_layer, token_ids=ids[tok].copy(),
                 keys=np.ascontiguousarray(state.keys[layers, tok]),
                 values=np.ascontiguousarray(state.values[layers, tok])))
         return out
 
-    def inject_fragments(self, fragments: Sequence[KVFragment]) -> int:
-        n = check_injectable(fragments, self.fingerprint)
+    def inject_fragments(self, fragments: Sequence[KVFragment], limit: int | None = None) -> int:
+        n = injection_length(fragments, self.fingerprint, limit)
         if n > self.n_ctx:
             raise IncompatibleFragment(f"prefix of {n} tokens exceeds the context ({self.n_ctx})")
         fp = self.fingerprint
@@ -200,11 +200,14 @@ class LlamaCppAdapter:
                                 v_trans=v_trans)
         ids = np.empty(n, np.int32)
         for f in fragments:
-            tok = slice(f.token_start, f.token_end)
-            ids[tok] = f.token_ids
+            if f.token_start >= n:
+                continue
+            end = min(f.token_end, n)
+            tok, m = slice(f.token_start, end), end - f.token_start
+            ids[tok] = f.token_ids[:m]
             for i, layer in enumerate(f.layer_indices):
-                writer.k(layer)[tok] = f.keys[i]
-                writer.v(layer)[tok] = f.values[i]
+                writer.k(layer)[tok] = f.keys[i, :m]
+                writer.v(layer)[tok] = f.values[i, :m]
         blob = writer.blob
         self.clear_kv_cache()
         src = (ctypes.c_uint8 * len(blob)).from_buffer(blob)

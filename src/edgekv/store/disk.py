@@ -14,6 +14,7 @@ import os
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import CorruptEntry, StoreError
@@ -43,6 +44,7 @@ class DiskStore:
             raise StoreError(f"cannot create the disk store at {self.root}: {e}") from e
         self._lock = threading.Lock()
         self._stats = StoreStats(tier="disk", capacity_bytes=capacity_bytes)
+        self._listeners: list[Callable[[str], None]] = []
         self._db = self._open_index()
 
     # -- public API ----------------------------------------------------------------------
@@ -120,11 +122,17 @@ class DiskStore:
     def contains(self, key: str) -> bool:
         return self._path(check_key(key)).exists()
 
+    def add_remove_listener(self, fn: Callable[[str], None]) -> None:
+        """Call `fn(key)` whenever an entry leaves the store (delete, eviction, expiry, damage)."""
+        self._listeners.append(fn)
+
     def delete(self, key: str) -> bool:
         path = self._path(check_key(key))
         existed = path.exists()
         path.unlink(missing_ok=True)
         self._forget(key)
+        for fn in self._listeners:
+            fn(key)
         return existed
 
     def sweep(self, now: float | None = None) -> int:
@@ -142,6 +150,8 @@ class DiskStore:
         for path in self._dir.glob("*/*.ekv"):
             path.unlink(missing_ok=True)
             n += 1
+            for fn in self._listeners:
+                fn(path.stem)
         with self._lock:
             self._db.execute("DELETE FROM entries")
             self._db.commit()

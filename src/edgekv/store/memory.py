@@ -7,6 +7,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 from ..fragment import KVFragment
 from .base import StoreStats, check_key
@@ -23,6 +24,10 @@ class MemoryStore:
         self._bytes = 0
         self._lock = threading.Lock()
         self._stats = StoreStats(tier="ram", capacity_bytes=capacity_bytes)
+        self._listeners: list[Callable[[str], None]] = []
+
+    def add_remove_listener(self, fn: Callable[[str], None]) -> None:
+        self._listeners.append(fn)
 
     def get(self, key: str, now: float | None = None) -> KVFragment | None:
         now = time.time() if now is None else now
@@ -64,6 +69,10 @@ class MemoryStore:
                     frag, hit_count=hit_count, expires_at=expires_at
                 )
 
+    def keys(self) -> list[str]:
+        with self._lock:
+            return list(self._items)
+
     def contains(self, key: str) -> bool:
         with self._lock:
             return key in self._items
@@ -84,6 +93,9 @@ class MemoryStore:
     def clear(self) -> int:
         with self._lock:
             n = len(self._items)
+            for key in self._items:
+                for fn in self._listeners:
+                    fn(key)
             self._items.clear()
             self._bytes = 0
             return n
@@ -100,4 +112,6 @@ class MemoryStore:
         if frag is None:
             return False
         self._bytes -= frag.nbytes
+        for fn in self._listeners:
+            fn(key)
         return True

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..fragment import KVFragment
 from .base import FragmentStore, StoreStats
 
@@ -25,6 +27,15 @@ class TieredStore:
                 return frag
         self.last_tier = None
         return None
+
+    def add_remove_listener(self, fn: Callable[[str], None]) -> None:
+        """Listen to the last (persistent) tier: leaving RAM does not remove a fragment."""
+        add = getattr(self.tiers[-1], "add_remove_listener", None)
+        if add is not None:
+            add(fn)
+
+    def keys(self) -> list[str]:
+        return list(getattr(self.tiers[-1], "keys", lambda: [])())
 
     def put(self, key: str, fragment: KVFragment) -> None:
         for tier in self.tiers:

@@ -1,0 +1,144 @@
+"""HNSW index over fragment embeddings (usearch; seed parameters M=16, efSearch=50).
+
+Entries are keyed by fragment store keys. The index is saved next to the disk store (index
+file + a JSON map of labels to keys, both written atomically) and rebuilt from the store's
+fragments whenever it is missing, unreadable or disagrees with its map: the fragments, which
+carry their `embedding`, are the truth.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["VectorIndex"]
+
+log = logging.getLogger(__name__)
+
+
+def _label(key: str) -> int:
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1
+
+
+class VectorIndex:
+    def __init__(self, dim: int, path: Path | None = None, *, connectivity: int = 16,
+                 expansion_search: int = 50,
+                 rebuild_from: Callable[[], Iterable[tuple[str, np.ndarray]]] | None = None) -> None:
+        self.dim = dim
+        self.path = Path(path) if path else None
+        self._params = dict(ndim=dim, metric="cos", dtype="f32", connectivity=connectivity,
+                            expansion_search=expansion_search)
+        self._lock = threading.Lock()
+        self._keys: dict[int, str] = {}
+        self._index = self._new()
+        self.rebuilt = False
+        if self.path is not None and not self._load() and rebuild_from is not None:
+            self.rebuild(rebuild_from())
+
+    def _new(self):  # type: ignore[no-untyped-def]
+        from usearch.index import Index
+
+        return Index(**self._params)
+
+    # -- public API ----------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, key: str) -> bool:
+        return _label(key) in self._keys
+
+    def keys(self) -> list[str]:
+        return sorted(self._keys.values())
+
+    def add(self, key: str, vector: np.ndarray) -> None:
+        v = np.asarray(vector, np.float32).reshape(-1)
+        if v.shape[0] != self.dim:
+            raise ValueError(f"vector of {v.shape[0]} dims for a {self.dim}-d index")
+        label = _label(key)
+        with self._lock:
+            if label in self._keys:
+                self._index.remove(label)
+            self._index.add(label, v)
+            self._keys[label] = key
+
+    def remove(self, key: str) -> bool:
+        label = _label(key)
+        with self._lock:
+            if label not in self._keys:
+                return False
+            self._index.remove(label)
+            del self._keys[label]
+            return True
+
+    def search(self, vector: np.ndarray, k: int = 4) -> list[tuple[str, float]]:
+        """Nearest entries as (key, cosine similarity), best first."""
+        with self._lock:
+            if not self._keys:
+                return []
+            res = self._index.search(np.asarray(vector, np.float32).reshape(-1), k)
+            out = []
+            for label, dist in zip(np.atleast_1d(res.keys), np.atleast_1d(res.distances)):
+                key = self._keys.get(int(label))
+                if key is not None:
+                    out.append((key, float(1.0 - dist)))
+            return out
+
+    def rebuild(self, entries: Iterable[tuple[str, np.ndarray]]) -> int:
+        with self._lock:
+            self._index = self._new()
+            self._keys = {}
+        n = 0
+        for key, vec in entries:
+            self.add(key, vec)
+            n += 1
+        self.rebuilt = True
+        log.warning("semantic index rebuilt from the store: %d entries", n)
+        self.save()
+        return n
+
+    def clear(self) -> None:
+        with self._lock:
+            self._index = self._new()
+            self._keys = {}
+
+    def save(self) -> None:
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp_idx = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        tmp_map = self._map_path().with_name(f".{self._map_path().name}.{os.getpid()}.tmp")
+        with self._lock:
+            self._index.save(str(tmp_idx))
+            tmp_map.write_text(json.dumps({str(k): v for k, v in self._keys.items()}))
+        os.replace(tmp_idx, self.path)
+        os.replace(tmp_map, self._map_path())
+
+    # -- private helpers -----------------------------------------------------------------
+
+    def _map_path(self) -> Path:
+        assert self.path is not None
+        return self.path.with_suffix(".keys.json")
+
+    def _load(self) -> bool:
+        assert self.path is not None
+        if not self.path.is_file() or not self._map_path().is_file():
+            return False
+        try:
+            keys = {int(k): str(v) for k, v in json.loads(self._map_path().read_text()).items()}
+            index = self._new()
+            index.load(str(self.path))
+            if len(index) != len(keys) or any(k not in index for k in keys):
+                raise ValueError(f"index holds {len(index)} vectors, its map {len(keys)} keys")
+        except Exception as e:  # noqa: BLE001 - any damage means rebuild
+            log.warning("semantic index %s is damaged (%s); rebuilding it", self.path, e)
+            return False
+        self._index, self._keys = index, keys
+        return True
