@@ -18,17 +18,51 @@ __all__ = [
     "CacheConfig", "ConfigError", "CorruptEntry", "EdgeKV", "EdgeKVError", "EngineError",
     "FragmentError", "FragmentSpec", "FragmentStore", "GenerationResult", "IncompatibleFragment",
     "KVAdapter", "KVFragment", "ModelNotFound", "PrefixMatch", "StoreError", "UnsupportedLayout",
-    "open_llamacpp", "open_store",
+    "open_llamacpp", "open_router", "open_store",
 ]
 
 __version__ = "0.1.0"
 
 
 def open_llamacpp(model: str | Path | None = None, config: CacheConfig | None = None, *,
-                  n_ctx: int = 2048, n_threads: int | None = None) -> EdgeKV:
-    """An EdgeKV over llama.cpp with the default RAM + disk store (model: SmolLM2 by default)."""
+                  n_ctx: int = 2048, n_threads: int | None = None, semantic: bool = False,
+                  prefetch: bool = False, **llama_kwargs: object) -> EdgeKV:
+    """An EdgeKV over llama.cpp with the default RAM + disk store (model: SmolLM2 by default).
+
+    `semantic=True` adds MiniLM + HNSW routing (index kept beside the disk store);
+    `prefetch=True` adds the n-gram prefetcher that warms predicted contexts into RAM.
+    """
     from .engines.llamacpp import LlamaCppAdapter
 
     config = config or CacheConfig.from_env()
-    adapter = LlamaCppAdapter(model, n_ctx=n_ctx, n_threads=n_threads, memo_dir=config.cache_dir)
-    return EdgeKV(adapter, open_store(config), config)
+    adapter = LlamaCppAdapter(model, n_ctx=n_ctx, n_threads=n_threads, memo_dir=config.cache_dir,
+                              **llama_kwargs)
+    store = open_store(config)
+    router = None
+    if semantic:
+        from .semantic import MiniLMEmbedder
+
+        router = open_router(MiniLMEmbedder(config.cache_dir), store, config)
+    kv = EdgeKV(adapter, store, config, router=router)
+    if prefetch:
+        from .prefetch import Prefetcher
+
+        kv.prefetcher = Prefetcher(kv.warm_chain)
+    return kv
+
+
+def open_router(embedder: object, store: FragmentStore, config: CacheConfig) -> object:
+    """A SemanticRouter whose index lives beside the disk store and is rebuilt from it."""
+    from .semantic import SemanticRouter, VectorIndex
+
+    def from_store():  # type: ignore[no-untyped-def]
+        persistent = getattr(store, "tiers", [store])[-1]
+        for key in persistent.keys():
+            frag = persistent.get(key)
+            if frag is not None and frag.embedding is not None:
+                yield key.split(".", 1)[0], frag.embedding
+
+    index = VectorIndex(embedder.dim, config.cache_dir / "store" / "semantic.usearch",  # type: ignore[attr-defined]
+                        rebuild_from=from_store)
+    return SemanticRouter(embedder, index, exact=config.semantic_exact,  # type: ignore[arg-type]
+                          partial=config.semantic_partial, k=config.semantic_k)

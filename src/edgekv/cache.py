@@ -125,13 +125,12 @@ class EdgeKV:
         if route.tier.value == "miss":
             return base
         best = base
-        parent = chunks[-1].chain_key if chunks else ""
         for cand, sim in route.candidates:
             if sim < self.router.partial:  # type: ignore[attr-defined]
                 continue
-            ext = self._extend(cand, ids, n, parent, limit, now, rejections)
-            if ext is not None and n + ext[1] > best.n_tokens:
-                best = replace(base, n_tokens=n + ext[1], chunks=tuple(chunks) + tuple(ext[0]))
+            ext = self._extend(cand, ids, chunks, limit, now, rejections)
+            if ext is not None and ext[1] > best.n_tokens:
+                best = replace(base, n_tokens=ext[1], chunks=tuple(ext[0]))
         if approximate and route.candidates:
             approx = self._approximate(route.candidates[0][0], ids, limit, now, rejections)
             if approx is not None and approx.n_tokens > best.n_tokens:
@@ -205,24 +204,35 @@ class EdgeKV:
 
     # -- private helpers -----------------------------------------------------------------
 
-    def _extend(self, cand: str, ids: np.ndarray, start: int, parent: str, limit: int,
+    def _extend(self, cand: str, ids: np.ndarray, exact: list[Chunk], limit: int,
                 now: float, rejections: list[str]) -> tuple[list[Chunk], int] | None:
-        """Verified tokens a candidate adds after `start`, and the chunks that hold them."""
+        """Chunks to inject and tokens restored when a candidate's chain takes over from the
+        exact chain: it must hang off the request's chain (same parent key where it starts)
+        and its tokens are compared with the request's one by one."""
+        start = len(exact) * self.config.chunk_size
         chain = self.reader.chain_back(cand, start, now, rejections)
-        if not chain or chain[0].head.parent_key != parent:
+        if not chain:
             return None
-        pos, used = start, []
+        s0 = chain[0].token_start
+        k0 = s0 // self.config.chunk_size
+        if s0 % self.config.chunk_size or k0 > len(exact):
+            return None
+        if chain[0].head.parent_key != (exact[k0 - 1].chain_key if k0 else ""):
+            return None
+        pos, used = s0, []
         for chunk in chain:
-            if chunk.token_start != pos or pos >= limit:
+            if pos >= limit:
                 break
-            same = chunk.head.prefix_len(ids[pos : limit])
+            same = chunk.head.prefix_len(ids[pos:limit])
             if same == 0:
                 break
             used.append(chunk)
             pos += same
             if same < chunk.head.span:
                 break
-        return (used, pos - start) if used else None
+        if pos <= start:
+            return None
+        return exact[:k0] + used, pos
 
     def _approximate(self, cand: str, ids: np.ndarray, limit: int, now: float,
                      rejections: list[str]) -> PrefixMatch | None:
@@ -254,11 +264,15 @@ class EdgeKV:
             if (i + 1) * c > cached:
                 spans.append((key, keys[i - 1] if i else "", i * c, (i + 1) * c))
         tail = len(tokens) - len(keys) * c
-        if tail >= MIN_SPAN:  # a trailing partial chunk, found again by semantic search
-            parent = keys[-1] if keys else ""
-            start = len(keys) * c
-            spans.append((next_key(parent, self.fingerprint, tokens[start:]), parent, start,
-                          len(tokens)))
+        if tail and self.router is not None:
+            # the tokens after the last full chunk, found again by semantic search and verified
+            # token by token; a tail shorter than a fragment's minimum span is stored together
+            # with the chunk before it (that chunk's KV is then held twice)
+            k = len(keys) if tail >= MIN_SPAN else len(keys) - 1
+            if k >= 0:
+                parent, start = (keys[k - 1] if k else ""), k * c
+                spans.append((next_key(parent, self.fingerprint, tokens[start:]), parent, start,
+                              len(tokens)))
         specs = [FragmentSpec(key, lo, hi, glo, ghi, parent_key=parent)
                  for key, parent, lo, hi in spans
                  for glo, ghi in self.reader.layer_groups
@@ -293,9 +307,39 @@ class EdgeKV:
                 expires = next_expiry(hits, now, cfg.ttl_s, cfg.promoted_ttl_s, cfg.promote_hits)
                 self.store.touch(skey, hits, expires, now)
 
+    def warm_chain(self, chain_key: str) -> int:
+        """Bring the chunks of a chain (back to its start) into the RAM tier; return how many
+        fragments were read. Used by the prefetcher's background thread."""
+        warm = getattr(self.store, "warm", None)
+        if warm is None:
+            return 0
+        n, key = 0, chain_key
+        while key:
+            frag = None
+            for skey in self.reader.store_keys(key):
+                frag = warm(skey)
+                if frag is None:
+                    return n
+                n += 1
+            key = frag.parent_key if frag is not None else ""
+        return n
+
     def _signature(self, tokens: Sequence[int]) -> str | None:
         keys = self.chunk_keys(tokens)
         return keys[-1] if keys else None
 
     def _on_store_remove(self, store_key: str) -> None:
-        self.router.index.remove(store_key.split(".", 1)[0])  # type: ignore[union-attr]
+        """Keep the index free of dangling entries: drop a chunk's entry once none of its
+        fragments (whole or layer groups) is left in the store."""
+        chain = store_key.split(".", 1)[0]
+        if not any(self.store.contains(k) for k in {chain, *self.reader.store_keys(chain)}):
+            self.router.index.remove(chain)  # type: ignore[union-attr]
+
+    def compact(self) -> object:
+        from .compactor import compact
+
+        fp = self.adapter.fingerprint
+        report = compact(self.store, n_layer=fp.n_layer, n_head_kv=fp.n_head_kv)
+        if self.router is not None:
+            self.router.index.save()  # type: ignore[attr-defined]
+        return report

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from .config import CacheConfig
-from .errors import EdgeKVError
+from .errors import EdgeKVError, ModelNotFound
 
 __all__ = ["main"]
 
@@ -23,7 +23,20 @@ def _config(args: argparse.Namespace) -> CacheConfig:
 def _open(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from . import open_llamacpp
 
-    return open_llamacpp(args.model, _config(args), n_ctx=args.n_ctx)
+    semantic = not getattr(args, "no_semantic", True)
+    cfg = _config(args)
+    if getattr(args, "approximate", False):
+        import dataclasses
+
+        cfg = dataclasses.replace(cfg, approximate=True)
+    try:
+        return open_llamacpp(args.model, cfg, n_ctx=args.n_ctx, semantic=semantic)
+    except (ImportError, ModelNotFound) as e:
+        if not semantic:
+            raise
+        print(f"edgekv: semantic routing unavailable ({e}); exact prefix reuse only",
+              file=sys.stderr)
+        return open_llamacpp(args.model, cfg, n_ctx=args.n_ctx, semantic=False)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -38,20 +51,29 @@ def cmd_generate(args: argparse.Namespace) -> int:
         r = kv.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature,
                         seed=args.seed, use_cache=not args.no_cache)
     finally:
-        kv.store.close()
+        kv.close()
         kv.adapter.close()
+    m = r.match
+    route = {"tier": m.tier, "similarity": round(m.similarity, 4), "route_ms": round(m.route_s * 1000, 3),
+             "exact_tokens": m.exact_tokens, "verified_extra_tokens": 0 if m.approximate else r.cached_tokens - m.exact_tokens,
+             "approximate": m.approximate, "mismatched_tokens": m.mismatched_tokens}
     if args.json:
         print(json.dumps({
             "text": r.text, "tokens": list(r.tokens), "prompt_tokens": r.prompt_tokens,
             "cached_tokens": r.cached_tokens, "computed_tokens": r.computed_tokens,
             "ttft_ms": round(r.ttft_s * 1000, 3), "total_ms": round(r.total_s * 1000, 3),
             "stored_fragments": r.stored_fragments, "source_tiers": list(r.source_tiers),
-            "rejections": list(r.rejections)}))
+            "rejections": list(r.rejections), "route": route}))
     else:
         print(r.text)
         tier = f" from {'/'.join(sorted(set(r.source_tiers)))}" if r.source_tiers else ""
-        print(f"\n[TTFT {r.ttft_s * 1000:.1f} ms | prompt {r.prompt_tokens} tokens: "
-              f"{r.cached_tokens} reused{tier}, {r.computed_tokens} computed | "
+        approx = (f", APPROXIMATE: {m.mismatched_tokens} positions hold another prompt's KV"
+                  if m.approximate else "")
+        print(f"\n[route {m.tier} (similarity {m.similarity:.3f}, {m.route_s * 1000:.1f} ms) | "
+              f"TTFT {r.ttft_s * 1000:.1f} ms | prompt {r.prompt_tokens} tokens: "
+              f"{r.cached_tokens} reused{tier} ({m.exact_tokens} exact chain, "
+              f"{route['verified_extra_tokens']} verified by tokens{approx}), "
+              f"{r.computed_tokens} computed | "
               f"{len(r.tokens)} generated in {r.total_s * 1000:.0f} ms | "
               f"{r.stored_fragments} fragments stored]", file=sys.stderr)
     return 0
@@ -127,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap in the model's chat template")
     g.add_argument("--system", help="system message for --chat")
     g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.add_argument("--no-semantic", action="store_true", help="exact chain lookup only")
+    g.add_argument("--approximate", action="store_true",
+                   help="inject similar prompts' KV even where tokens differ (changes output)")
     engine_opts(g)
     g.set_defaults(func=cmd_generate)
 

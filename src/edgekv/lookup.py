@@ -112,18 +112,21 @@ class ChunkReader:
 
     def chain_back(self, chain_key: str, stop_at: int, now: float,
                    rejections: list[str], max_steps: int = 4096) -> list[Chunk] | None:
-        """Chunks from the one starting at `stop_at` up to `chain_key`, following parent keys."""
+        """Chunks of the chain ending at `chain_key`, from the one holding position `stop_at`
+        (token_start <= stop_at) to the end, following parent keys; None if broken or if the
+        chain ends before `stop_at`."""
         out: list[Chunk] = []
         key = chain_key
         for _ in range(max_steps):
             chunk = self.read(key, now, rejections)
             if chunk is None:
                 return None
-            if chunk.token_start < stop_at:
-                return None  # the candidate lies inside what is already covered
+            if out and chunk.token_end != out[-1].token_start:
+                rejections.append(f"{key[:16]}: chain is not contiguous")
+                return None
             out.append(chunk)
-            if chunk.token_start == stop_at:
-                return out[::-1]
+            if chunk.token_start <= stop_at:
+                return out[::-1] if out[0].token_end > stop_at else None
             if not chunk.head.parent_key:
                 return None
             key = chunk.head.parent_key

@@ -23,6 +23,11 @@ __all__ = ["VectorIndex"]
 log = logging.getLogger(__name__)
 
 
+def _native(vector: np.ndarray) -> np.ndarray:
+    """A 1-d native-order float32 copy (usearch rejects explicitly little-endian buffers)."""
+    return np.frombuffer(np.asarray(vector, dtype=np.float32).tobytes(), dtype=np.float32)
+
+
 def _label(key: str) -> int:
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1
 
@@ -59,7 +64,7 @@ class VectorIndex:
         return sorted(self._keys.values())
 
     def add(self, key: str, vector: np.ndarray) -> None:
-        v = np.asarray(vector, np.float32).reshape(-1)
+        v = _native(vector)
         if v.shape[0] != self.dim:
             raise ValueError(f"vector of {v.shape[0]} dims for a {self.dim}-d index")
         label = _label(key)
@@ -83,7 +88,7 @@ class VectorIndex:
         with self._lock:
             if not self._keys:
                 return []
-            res = self._index.search(np.asarray(vector, np.float32).reshape(-1), k)
+            res = self._index.search(_native(vector), k)
             out = []
             for label, dist in zip(np.atleast_1d(res.keys), np.atleast_1d(res.distances)):
                 key = self._keys.get(int(label))
@@ -100,7 +105,7 @@ class VectorIndex:
             self.add(key, vec)
             n += 1
         self.rebuilt = True
-        log.warning("semantic index rebuilt from the store: %d entries", n)
+        log.info("semantic index rebuilt from the store: %d entries", n)
         self.save()
         return n
 

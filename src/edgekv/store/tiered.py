@@ -37,6 +37,19 @@ class TieredStore:
     def keys(self) -> list[str]:
         return list(getattr(self.tiers[-1], "keys", lambda: [])())
 
+    def warm(self, key: str) -> KVFragment | None:
+        """Copy `key` into the upper tiers if it is only lower down (prefetch); no stats."""
+        for i, tier in enumerate(self.tiers):
+            if tier.contains(key):
+                if i == 0:
+                    return tier.get(key)
+                frag = tier.get(key)
+                if frag is not None:
+                    for upper in self.tiers[:i]:
+                        upper.put(key, frag)
+                return frag
+        return None
+
     def put(self, key: str, fragment: KVFragment) -> None:
         for tier in self.tiers:
             tier.put(key, fragment)

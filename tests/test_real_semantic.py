@@ -1,0 +1,89 @@
+"""MiniLM routing with the real embedder and the real engine: tiers and strict fidelity."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edgekv import CacheConfig, EdgeKV, open_router, open_store
+from edgekv.bench.texts import MANUAL, SYSTEM_PROMPT
+from edgekv.chat import render_chat
+
+from .conftest import require_real
+
+try:
+    from edgekv.engines.llamacpp import LlamaCppAdapter
+    from edgekv.semantic import MiniLMEmbedder
+    from edgekv.semantic.embedder import minilm_dir
+
+    minilm_dir()
+    import onnxruntime  # noqa: F401
+    import usearch  # noqa: F401
+except Exception as e:  # noqa: BLE001
+    if require_real():
+        raise
+    pytest.skip(f"semantic stack unavailable: {e}", allow_module_level=True)
+
+pytestmark = pytest.mark.real
+
+
+@pytest.fixture(scope="module")
+def embedder(tmp_path_factory):
+    return MiniLMEmbedder(tmp_path_factory.mktemp("emb"))
+
+
+def test_embeddings_equal_sentence_transformers(embedder):
+    from sentence_transformers import SentenceTransformer
+
+    st = SentenceTransformer(str(minilm_dir()), device="cpu")
+    texts = ["How long does the hub take to start?", "Le chat dort sur le canapé."]
+    ref = st.encode(texts, normalize_embeddings=True)
+    got = embedder.embed(texts)
+    assert got.shape == (2, 384)
+    assert np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+    assert np.min(np.sum(got * ref, axis=1)) > 0.9999
+
+
+def test_paraphrase_is_close_and_unrelated_is_far(embedder):
+    a, b, c = embedder.embed([
+        "How long does the hub take to start?",
+        "How much time does the hub need to boot up?",
+        "Write a haiku about autumn leaves in Kyoto.",
+    ])
+    assert float(a @ b) >= 0.75
+    assert float(a @ c) < 0.75
+
+
+@pytest.fixture(scope="module")
+def adapter():
+    a = LlamaCppAdapter(n_ctx=2048)
+    yield a
+    a.close()
+
+
+def chat(adapter, q):
+    return render_chat(adapter.chat_template(), [
+        {"role": "system", "content": SYSTEM_PROMPT + "\n\n" + MANUAL[:1800]},
+        {"role": "user", "content": q}])
+
+
+def test_paraphrase_reuses_verified_prefix_with_cold_identical_output(adapter, embedder, tmp_path):
+    cfg = CacheConfig(cache_dir=tmp_path)
+    store = open_store(cfg)
+    kv = EdgeKV(adapter, store, cfg, router=open_router(embedder, store, cfg))
+    kv.generate(chat(adapter, "How long does the hub take to start?"), max_tokens=4)
+    prompt = chat(adapter, "How long does the hub need to start up?")
+    cold = kv.generate(prompt, max_tokens=16, use_cache=False, keep_logits=True)
+    warm = kv.generate(prompt, max_tokens=16, keep_logits=True)
+    m = warm.match
+    assert m.tier in ("exact", "partial"), m
+    chain_only = (warm.prompt_tokens - 1) // 128 * 128
+    assert m.exact_tokens == chain_only
+    assert warm.cached_tokens > chain_only  # verified reuse inside the last, partial chunk
+    assert not m.approximate
+    assert warm.tokens == cold.tokens
+    for w, c in zip(warm.step_logits, cold.step_logits):
+        assert np.array_equal(w, c)
+    unrelated = kv.generate("Write a haiku about autumn leaves in Kyoto.", max_tokens=2)
+    assert unrelated.match.tier == "miss" and unrelated.cached_tokens == 0
+    kv.close()
