@@ -106,19 +106,27 @@ def cmd_cache(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench.report import write_json
-    from .bench.reuse import reuse_table, run_reuse_bench
 
     def progress(i: int, n: int) -> None:
-        print(f"\r  run {i}/{n}", end="" if i < n else "\n", file=sys.stderr, flush=True)
+        print(f"\r  step {i}/{n}", end="" if i < n else "\n", file=sys.stderr, flush=True)
 
-    res = run_reuse_bench(model=args.model, runs=args.runs, context_tokens=args.context_tokens,
-                          max_tokens=args.max_tokens, chunk_size=args.chunk_size or 128,
-                          n_ctx=args.n_ctx, progress=progress)
-    text = reuse_table(res)
+    if args.name == "lookup":
+        from .bench.lookup import lookup_table, run_lookup_bench
+
+        res = run_lookup_bench(model=args.model, entries=args.entries, runs=max(args.runs, 5),
+                               n_ctx=args.n_ctx, progress=progress)
+        text = lookup_table(res)
+    else:
+        from .bench.reuse import reuse_table, run_reuse_bench
+
+        res = run_reuse_bench(model=args.model, runs=args.runs, context_tokens=args.context_tokens,
+                              max_tokens=args.max_tokens, chunk_size=args.chunk_size or 128,
+                              n_ctx=args.n_ctx, progress=progress)
+        text = reuse_table(res)
     print(text)
     if args.json:
         path = write_json(args.json, res)
-        path.with_suffix(".md").write_text(f"# edgekv bench reuse\n\n{text}\n")
+        path.with_suffix(".md").write_text(f"# edgekv bench {args.name}\n\n{text}\n")
         print(f"wrote {path} and {path.with_suffix('.md')}")
     return 0
 
@@ -162,11 +170,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_cache)
 
     b = sub.add_parser("bench", help="benchmarks (write JSON)")
-    b.add_argument("name", choices=["reuse"])
+    b.add_argument("name", choices=["reuse", "lookup"])
     b.add_argument("--json", help="write the result here")
     b.add_argument("--runs", type=int, default=5)
     b.add_argument("--context-tokens", type=int, default=512)
     b.add_argument("--max-tokens", type=int, default=16)
+    b.add_argument("--entries", type=int, default=1000, help="lookup: vectors in the index")
     engine_opts(b)
     b.set_defaults(func=cmd_bench)
 
