@@ -88,7 +88,27 @@ def test_damaged_index_is_rebuilt_from_files(tmp_path, fragment_factory, caplog)
         again = DiskStore(tmp_path, 10**9)
     assert "rebuilding" in caplog.text
     assert again.keys() == ["a"] and again.get("a") is not None
-    sqlite3.connect(tmp_path / "index.sqlite3").execute("SELECT * FROM entries").fetchall()
+    db = sqlite3.connect(tmp_path / "index.sqlite3")
+    assert len(db.execute("SELECT * FROM entries_v2").fetchall()) == 1
+    db.close()
+
+
+def test_missing_index_is_rebuilt_and_children_listed(tmp_path, fragment_factory):
+    store = DiskStore(tmp_path, 10**9)
+    child = fragment_factory(chain_key="c1", parent_key="p0")
+    store.put("c1", child)
+    store.put("other", fragment_factory(chain_key="o", parent_key="p9"))
+    store.close()
+    for p in tmp_path.glob("index.sqlite3*"):
+        p.unlink()
+    again = DiskStore(tmp_path, 10**9)
+    (key, ids), = again.children("p0")
+    assert key == "c1" and (ids == child.token_ids).all()
+    mem = MemoryStore(10**8)
+    mem.put("c1", child)
+    assert [k for k, _ in mem.children("p0")] == ["c1"]
+    mem.delete("c1")
+    assert mem.children("p0") == []
 
 
 def test_bad_key_is_a_clear_error(tmp_path, fragment_factory):

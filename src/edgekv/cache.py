@@ -103,7 +103,13 @@ class EdgeKV:
     def lookup(self, tokens: Sequence[int], text: str | None = None, *,
                approximate: bool | None = None, now: float | None = None) -> PrefixMatch:
         """What to restore for `tokens`: at most len(tokens) - 1 positions, so the first
-        output token's logits are always computed."""
+        output token's logits are always computed.
+
+        Strict reuse is found without embeddings: the exact chain walk, then the stored
+        successors of its last chunks compared token by token (a radix step). Any KV valid
+        for this request hangs off its own chain, so semantic search cannot find more; it is
+        needed before the first token only in approximate mode (`text` is then embedded).
+        """
         now = time.time() if now is None else now
         approximate = self.config.approximate if approximate is None else approximate
         c, ids, limit = self.config.chunk_size, np.asarray(tokens, np.int32), len(tokens) - 1
@@ -115,27 +121,19 @@ class EdgeKV:
                 break
             chunks.append(chunk)
         n = len(chunks) * c
-        exact = PrefixMatch(n, tuple(chunks), n, rejections=tuple(rejections))
-        if self.router is None or text is None:
-            return exact
-        route = self.router.route(text)  # type: ignore[attr-defined]
-        base = replace(exact, tier=route.tier.value, similarity=route.similarity,
-                       route_s=route.embed_s + route.search_s)
-        self._last_route = route
-        if route.tier.value == "miss":
-            return base
-        best = base
-        for cand, sim in route.candidates:
-            if sim < self.router.partial:  # type: ignore[attr-defined]
-                continue
-            ext = self._extend(cand, ids, chunks, limit, now, rejections)
-            if ext is not None and ext[1] > best.n_tokens:
-                best = replace(base, n_tokens=ext[1], chunks=tuple(ext[0]))
-        if approximate and route.candidates:
-            approx = self._approximate(route.candidates[0][0], ids, limit, now, rejections)
-            if approx is not None and approx.n_tokens > best.n_tokens:
-                best = replace(approx, exact_tokens=n, tier=base.tier, similarity=base.similarity,
-                               route_s=base.route_s)
+        best = PrefixMatch(n, tuple(chunks), n)
+        ext = self._successors(ids, chunks, limit, now, rejections)
+        if ext is not None:
+            best = replace(best, n_tokens=ext[1], chunks=tuple(ext[0]))
+        if approximate and self.router is not None and text is not None:
+            route = self._route(text)
+            best = replace(best, tier=route.tier.value, similarity=route.similarity,
+                           route_s=route.embed_s + route.search_s)
+            if route.tier.value != "miss" and route.candidates:
+                approx = self._approximate(route.candidates[0][0], ids, limit, now, rejections)
+                if approx is not None and approx.n_tokens > best.n_tokens:
+                    best = replace(approx, exact_tokens=n, tier=best.tier,
+                                   similarity=best.similarity, route_s=best.route_s)
         return replace(best, rejections=tuple(rejections))
 
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 64,
@@ -156,13 +154,19 @@ class EdgeKV:
             text = a.detokenize(tokens)
         self._last_route = None
         match = self.lookup(tokens, text, approximate=approximate) if use_cache else PrefixMatch(0)
+        rejections = match.rejections
         t_lookup = time.perf_counter()
         cached = self._inject(match)
         if cached != match.n_tokens:
-            match = PrefixMatch(0, rejections=match.rejections)
+            match = PrefixMatch(0, rejections=rejections)
         t_inject = time.perf_counter()
         logits = a.prefill(tokens[cached:], align=self.config.chunk_size)
         t_first = time.perf_counter()  # choosing the first token from logits is ~20 us more
+        if self.router is not None and use_cache and text is not None and self._last_route is None:
+            # strict mode: the route is for reporting and indexing, off the TTFT path
+            route = self._route(text)
+            match = replace(match, tier=route.tier.value, similarity=route.similarity,  # type: ignore[attr-defined]
+                            route_s=route.embed_s + route.search_s)  # type: ignore[attr-defined]
         gen = a.generate(logits, max_tokens, temperature=temperature, seed=seed,
                          keep_logits=keep_logits)
         t_gen = time.perf_counter()
@@ -204,35 +208,39 @@ class EdgeKV:
 
     # -- private helpers -----------------------------------------------------------------
 
-    def _extend(self, cand: str, ids: np.ndarray, exact: list[Chunk], limit: int,
-                now: float, rejections: list[str]) -> tuple[list[Chunk], int] | None:
-        """Chunks to inject and tokens restored when a candidate's chain takes over from the
-        exact chain: it must hang off the request's chain (same parent key where it starts)
-        and its tokens are compared with the request's one by one."""
-        start = len(exact) * self.config.chunk_size
-        chain = self.reader.chain_back(cand, start, now, rejections)
-        if not chain:
+    def _successors(self, ids: np.ndarray, exact: list[Chunk], limit: int, now: float,
+                    rejections: list[str]) -> tuple[list[Chunk], int] | None:
+        """Extend the exact chain with a stored successor whose leading tokens match.
+
+        Candidates are the children of the last two chain keys (a trailing fragment shorter
+        than the minimum span is stored together with the chunk before it, so it hangs one
+        level up). Their token ids come from the store's index; only the best is read.
+        """
+        children = getattr(self.store, "children", None)
+        if children is None:
             return None
-        s0 = chain[0].token_start
-        k0 = s0 // self.config.chunk_size
-        if s0 % self.config.chunk_size or k0 > len(exact):
+        c, start = self.config.chunk_size, len(exact) * self.config.chunk_size
+        best: tuple[int, int, str] | None = None  # (end, k0, chain key)
+        for k0 in range(max(0, len(exact) - 1), len(exact) + 1):
+            parent = exact[k0 - 1].chain_key if k0 else ""
+            for skey, tok in children(parent):
+                same = _common_prefix(tok, ids[k0 * c : limit])
+                end = k0 * c + same
+                gain = end - max(start, best[0] if best else 0)
+                if gain >= self.config.min_reuse_tokens and gain > 0:
+                    best = (end, k0, skey.split(".", 1)[0])
+        if best is None:
             return None
-        if chain[0].head.parent_key != (exact[k0 - 1].chain_key if k0 else ""):
+        end, k0, key = best
+        chunk = self.reader.read(key, now, rejections)
+        if chunk is None or chunk.token_start != k0 * c or chunk.head.prefix_len(ids[k0 * c : end]) < end - k0 * c:
             return None
-        pos, used = s0, []
-        for chunk in chain:
-            if pos >= limit:
-                break
-            same = chunk.head.prefix_len(ids[pos:limit])
-            if same == 0:
-                break
-            used.append(chunk)
-            pos += same
-            if same < chunk.head.span:
-                break
-        if pos <= start:
-            return None
-        return exact[:k0] + used, pos
+        return exact[:k0] + [chunk], end
+
+    def _route(self, text: str) -> object:
+        route = self.router.route(text)  # type: ignore[union-attr]
+        self._last_route = route
+        return route
 
     def _approximate(self, cand: str, ids: np.ndarray, limit: int, now: float,
                      rejections: list[str]) -> PrefixMatch | None:
@@ -343,3 +351,9 @@ class EdgeKV:
         if self.router is not None:
             self.router.index.save()  # type: ignore[attr-defined]
         return report
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if diff.size else n

@@ -37,6 +37,9 @@ class CacheConfig:
     ttl_s: float = 30 * 60.0
     promoted_ttl_s: float = 7 * 24 * 3600.0
     promote_hits: int = 5
+    # A successor fragment is read only if it restores at least this many more tokens
+    # (reading ~3 MB to save a handful of ~2 ms tokens is a loss).
+    min_reuse_tokens: int = 16
     # Seed (EdgeSync-LLM): EXACT >= 0.92, PARTIAL >= 0.75, else MISS; top-k candidates checked.
     semantic_exact: float = 0.92
     semantic_partial: float = 0.75

@@ -17,9 +17,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+
 from ..errors import CorruptEntry, StoreError
 from ..fragment import KVFragment
-from ..serial import decode_fragment, encode_fragment, peek_header
+from ..serial import decode_fragment, encode_fragment
 from .base import StoreStats, check_key
 
 __all__ = ["DiskStore"]
@@ -27,9 +29,11 @@ __all__ = ["DiskStore"]
 log = logging.getLogger(__name__)
 
 _SCHEMA = """
-CREATE TABLE IF NOT EXISTS entries (
+CREATE TABLE IF NOT EXISTS entries_v2 (
     key TEXT PRIMARY KEY, nbytes INTEGER NOT NULL, expires_at REAL NOT NULL,
-    hit_count INTEGER NOT NULL, last_access REAL NOT NULL, fingerprint TEXT NOT NULL)
+    hit_count INTEGER NOT NULL, last_access REAL NOT NULL, fingerprint TEXT NOT NULL,
+    parent TEXT NOT NULL, tokens BLOB NOT NULL);
+CREATE INDEX IF NOT EXISTS entries_v2_parent ON entries_v2(parent);
 """
 
 
@@ -72,12 +76,12 @@ class DiskStore:
             return None
         with self._lock:
             row = self._db.execute(
-                "SELECT hit_count, expires_at FROM entries WHERE key=?", (key,)
+                "SELECT hit_count, expires_at FROM entries_v2 WHERE key=?", (key,)
             ).fetchone()
             if row is None:  # file without index row: adopt it
                 row = (frag.hit_count, frag.expires_at)
                 self._upsert(key, len(blob), frag, now)
-            self._db.execute("UPDATE entries SET last_access=? WHERE key=?", (now, key))
+            self._db.execute("UPDATE entries_v2 SET last_access=? WHERE key=?", (now, key))
             self._db.commit()
         frag = frag.with_lifecycle(hit_count=int(row[0]), expires_at=float(row[1]))
         if frag.is_expired(now):
@@ -114,7 +118,7 @@ class DiskStore:
         now = time.time() if now is None else now
         with self._lock:
             self._db.execute(
-                "UPDATE entries SET hit_count=?, expires_at=?, last_access=? WHERE key=?",
+                "UPDATE entries_v2 SET hit_count=?, expires_at=?, last_access=? WHERE key=?",
                 (hit_count, expires_at, now, key),
             )
             self._db.commit()
@@ -139,7 +143,7 @@ class DiskStore:
         now = time.time() if now is None else now
         with self._lock:
             dead = [r[0] for r in self._db.execute(
-                "SELECT key FROM entries WHERE expires_at > 0 AND expires_at <= ?", (now,))]
+                "SELECT key FROM entries_v2 WHERE expires_at > 0 AND expires_at <= ?", (now,))]
         for key in dead:
             self.delete(key)
         self._stats.expired += len(dead)
@@ -153,17 +157,25 @@ class DiskStore:
             for fn in self._listeners:
                 fn(path.stem)
         with self._lock:
-            self._db.execute("DELETE FROM entries")
+            self._db.execute("DELETE FROM entries_v2")
             self._db.commit()
         return n
 
+    def children(self, parent: str) -> list[tuple[str, np.ndarray]]:
+        """Entries whose fragment follows the chunk keyed `parent`, with their token ids
+        (from the index: no fragment is read)."""
+        with self._lock:
+            rows = self._db.execute("SELECT key, tokens FROM entries_v2 WHERE parent=?",
+                                    (parent,)).fetchall()
+        return [(k, np.frombuffer(t, dtype="<i4")) for k, t in rows]
+
     def keys(self) -> list[str]:
         with self._lock:
-            return [r[0] for r in self._db.execute("SELECT key FROM entries ORDER BY key")]
+            return [r[0] for r in self._db.execute("SELECT key FROM entries_v2 ORDER BY key")]
 
     def stats(self) -> StoreStats:
         with self._lock:
-            n, size = self._db.execute("SELECT COUNT(*), COALESCE(SUM(nbytes),0) FROM entries").fetchone()
+            n, size = self._db.execute("SELECT COUNT(*), COALESCE(SUM(nbytes),0) FROM entries_v2").fetchone()
         return dataclasses.replace(self._stats, entries=int(n), bytes=int(size))
 
     def close(self) -> None:
@@ -180,16 +192,18 @@ class DiskStore:
         try:
             db = sqlite3.connect(path, timeout=30, check_same_thread=False)
             db.execute("PRAGMA journal_mode=WAL")
-            db.execute(_SCHEMA)
-            db.execute("SELECT COUNT(*) FROM entries").fetchone()
+            db.executescript(_SCHEMA)
+            n_rows = db.execute("SELECT COUNT(*) FROM entries_v2").fetchone()[0]
             db.commit()
+            if n_rows == 0 and any(self._dir.glob("*/*.ekv")):
+                self._rebuild(db)  # files without an index (index deleted or older schema)
             return db
         except sqlite3.DatabaseError as e:
             log.warning("disk store: index %s is damaged (%s); rebuilding it from the files", path, e)
             for suffix in ("", "-wal", "-shm"):
                 Path(f"{path}{suffix}").unlink(missing_ok=True)
             db = sqlite3.connect(path, timeout=30, check_same_thread=False)
-            db.execute(_SCHEMA)
+            db.executescript(_SCHEMA)
             self._rebuild(db)
             return db
 
@@ -197,37 +211,36 @@ class DiskStore:
         now = time.time()
         for path in self._dir.glob("*/*.ekv"):
             try:
-                blob = path.read_bytes()
-                h = peek_header(blob)
-                db.execute(
-                    "INSERT OR REPLACE INTO entries VALUES (?,?,?,?,?,?)",
-                    (path.stem, len(blob), float(h["expires_at"]), int(h["hit_count"]),  # type: ignore[arg-type]
-                     now, str(h["model_fingerprint"])),
-                )
-            except (CorruptEntry, OSError, KeyError, TypeError, ValueError) as e:
+                frag = decode_fragment(path.read_bytes())
+                db.execute("INSERT OR REPLACE INTO entries_v2 VALUES (?,?,?,?,?,?,?,?)",
+                           self._row(path.stem, path.stat().st_size, frag, now))
+            except (CorruptEntry, OSError) as e:
                 log.warning("disk store: dropping damaged %s during rebuild (%s)", path, e)
                 path.unlink(missing_ok=True)
         db.commit()
 
+    @staticmethod
+    def _row(key: str, nbytes: int, frag: KVFragment, now: float) -> tuple[object, ...]:
+        return (key, nbytes, frag.expires_at, frag.hit_count, now, frag.model_fingerprint,
+                frag.parent_key, frag.token_ids.astype("<i4").tobytes())
+
     def _upsert(self, key: str, nbytes: int, frag: KVFragment, now: float) -> None:
-        self._db.execute(
-            "INSERT OR REPLACE INTO entries VALUES (?,?,?,?,?,?)",
-            (key, nbytes, frag.expires_at, frag.hit_count, now, frag.model_fingerprint),
-        )
+        self._db.execute("INSERT OR REPLACE INTO entries_v2 VALUES (?,?,?,?,?,?,?,?)",
+                         self._row(key, nbytes, frag, now))
 
     def _forget(self, key: str) -> None:
         with self._lock:
-            self._db.execute("DELETE FROM entries WHERE key=?", (key,))
+            self._db.execute("DELETE FROM entries_v2 WHERE key=?", (key,))
             self._db.commit()
 
     def _enforce_capacity(self) -> None:
         with self._lock:
-            total = self._db.execute("SELECT COALESCE(SUM(nbytes),0) FROM entries").fetchone()[0]
+            total = self._db.execute("SELECT COALESCE(SUM(nbytes),0) FROM entries_v2").fetchone()[0]
             if total <= self.capacity_bytes:
                 return
             # expired first, then least recently used
             rows = self._db.execute(
-                "SELECT key, nbytes FROM entries ORDER BY (expires_at > 0 AND expires_at <= ?) DESC,"
+                "SELECT key, nbytes FROM entries_v2 ORDER BY (expires_at > 0 AND expires_at <= ?) DESC,"
                 " last_access ASC", (time.time(),)
             ).fetchall()
         for key, nbytes in rows:

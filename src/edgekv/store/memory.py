@@ -9,6 +9,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
+import numpy as np
+
 from ..fragment import KVFragment
 from .base import StoreStats, check_key
 
@@ -25,6 +27,7 @@ class MemoryStore:
         self._lock = threading.Lock()
         self._stats = StoreStats(tier="ram", capacity_bytes=capacity_bytes)
         self._listeners: list[Callable[[str], None]] = []
+        self._children: dict[str, set[str]] = {}
 
     def add_remove_listener(self, fn: Callable[[str], None]) -> None:
         self._listeners.append(fn)
@@ -55,6 +58,7 @@ class MemoryStore:
                 log.debug("fragment %s (%d B) exceeds RAM capacity; not kept in RAM", key, size)
                 return
             self._items[key] = fragment
+            self._children.setdefault(fragment.parent_key, set()).add(key)
             self._bytes += size
             while self._bytes > self.capacity_bytes:
                 old, _ = next(iter(self._items.items()))
@@ -68,6 +72,10 @@ class MemoryStore:
                 self._items[key] = dataclasses.replace(
                     frag, hit_count=hit_count, expires_at=expires_at
                 )
+
+    def children(self, parent: str) -> list[tuple[str, np.ndarray]]:
+        with self._lock:
+            return [(k, self._items[k].token_ids) for k in self._children.get(parent, ())]
 
     def keys(self) -> list[str]:
         with self._lock:
@@ -97,6 +105,7 @@ class MemoryStore:
                 for fn in self._listeners:
                     fn(key)
             self._items.clear()
+            self._children.clear()
             self._bytes = 0
             return n
 
@@ -111,6 +120,7 @@ class MemoryStore:
         frag = self._items.pop(key, None)
         if frag is None:
             return False
+        self._children.get(frag.parent_key, set()).discard(key)
         self._bytes -= frag.nbytes
         for fn in self._listeners:
             fn(key)

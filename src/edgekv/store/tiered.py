@@ -34,6 +34,16 @@ class TieredStore:
         if add is not None:
             add(fn)
 
+    def children(self, parent: str) -> list[tuple[str, object]]:
+        """Union over tiers of the entries that follow `parent` (key, token ids)."""
+        seen: dict[str, object] = {}
+        for tier in self.tiers:
+            fn = getattr(tier, "children", None)
+            if fn is not None:
+                for key, ids in fn(parent):
+                    seen.setdefault(key, ids)
+        return list(seen.items())
+
     def keys(self) -> list[str]:
         return list(getattr(self.tiers[-1], "keys", lambda: [])())
 
