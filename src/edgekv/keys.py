@@ -56,6 +56,10 @@ class ModelFingerprint:
     def n_embd_v(self) -> int:
         return self.n_head_kv * self.head_dim_v
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.n_layer * (self.n_embd_k + self.n_embd_v) * (2 if self.kv_dtype == "f16" else 4)
+
 
 def token_bytes(token_ids: Sequence[int]) -> bytes:
     """Token ids as little-endian int32, the form hashed and stored everywhere."""

@@ -22,7 +22,7 @@ from ..errors import ConfigError, IncompatibleFragment
 from ..fragment import KVFragment
 from ..keys import ModelFingerprint
 
-__all__ = ["FragmentSpec", "Generation", "KVAdapter", "aligned_batches", "check_injectable",
+__all__ = ["EngineCounters", "FragmentSpec", "Generation", "KVAdapter", "aligned_batches", "check_injectable",
            "injection_length", "sample_loop"]
 
 
@@ -46,9 +46,30 @@ class Generation:
     stopped_by_eos: bool
 
 
+@dataclass(slots=True)
+class EngineCounters:
+    """What the engine computed, for the memory-traffic count in benchmarks: every forward
+    batch streams the weights once, writes the KV of its tokens and reads the KV of every
+    cell it attends to."""
+
+    batches: int = 0
+    tokens: int = 0
+    kv_cells_read: int = 0
+
+    def add_batch(self, lo: int, hi: int) -> None:
+        self.batches += 1
+        self.tokens += hi - lo
+        self.kv_cells_read += hi
+
+    def traffic_bytes(self, weight_bytes: int, kv_bytes_per_token: int) -> int:
+        return (self.batches * weight_bytes
+                + (self.tokens + self.kv_cells_read) * kv_bytes_per_token)
+
+
 @runtime_checkable
 class KVAdapter(Protocol):
     fingerprint: ModelFingerprint
+    counters: EngineCounters
 
     @property
     def n_tokens(self) -> int: ...

@@ -16,7 +16,7 @@ import numpy as np
 from ..errors import EngineError
 from ..fragment import KVFragment
 from ..keys import ModelFingerprint
-from .base import FragmentSpec, Generation, injection_length, sample_loop
+from .base import EngineCounters, FragmentSpec, Generation, aligned_batches, injection_length, sample_loop
 
 __all__ = ["FakeAdapter"]
 
@@ -36,6 +36,8 @@ class FakeAdapter:
         self._k: list[np.ndarray] = []  # per position: [n_layer, width]
         self._v: list[np.ndarray] = []
         self.computed_tokens = 0  # tokens run through "prefill" since construction
+        self.counters = EngineCounters()
+        self.weight_bytes = int(self._w.nbytes)
 
     @property
     def n_tokens(self) -> int:
@@ -78,6 +80,8 @@ class FakeAdapter:
             self._k.append(rng.standard_normal((fp.n_layer, fp.n_embd_k)).astype(np.float16))
             self._v.append(rng.standard_normal((fp.n_layer, fp.n_embd_v)).astype(np.float16))
         self.computed_tokens += len(tokens)
+        for lo, hi in aligned_batches(self.n_tokens - len(tokens), len(tokens), align):
+            self.counters.add_batch(lo, hi)
         return self._logits()
 
     def _logits(self) -> np.ndarray:

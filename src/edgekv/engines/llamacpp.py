@@ -19,7 +19,7 @@ import numpy as np
 from ..errors import EngineError, IncompatibleFragment, UnsupportedLayout
 from ..fragment import KVFragment
 from ..keys import ModelFingerprint, file_sha256
-from .base import FragmentSpec, Generation, aligned_batches, injection_length, sample_loop
+from .base import EngineCounters, FragmentSpec, Generation, aligned_batches, injection_length, sample_loop
 from .llamacpp_state import SeqState, SeqStateWriter, parse_seq_state
 from .models import resolve_model
 
@@ -59,6 +59,8 @@ class LlamaCppAdapter:
         self._n_vocab = self._llm.n_vocab()
         self.fingerprint = self._make_fingerprint(memo_dir)
         self._v_trans: bool | None = None  # learnt from the first state llama.cpp writes
+        self.counters = EngineCounters()
+        self.weight_bytes = self.model_path.stat().st_size  # streamed once per forward batch
 
     # -- identity ------------------------------------------------------------------------
 
@@ -134,6 +136,7 @@ class LlamaCppAdapter:
         base = self.n_tokens
         for lo, hi in aligned_batches(base, len(toks), align):
             self._llm.eval(toks[lo - base : hi - base])
+            self.counters.add_batch(lo, hi)
         logits = np.ctypeslib.as_array(self._llm._ctx.get_logits(), shape=(self._n_vocab,))
         return np.array(logits, dtype=np.float32, copy=True)
 

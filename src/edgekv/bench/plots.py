@@ -1,0 +1,121 @@
+"""The seed benchmark's report: a terminal table, Markdown and PNG plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .report import table
+
+__all__ = ["seed_table", "write_seed_report"]
+
+LABELS = {"nocache": "no cache", "string": "string cache", "llama_ram_cache": "LlamaRAMCache",
+          "edgekv_strict": "EdgeKV strict", "edgekv_approx": "EdgeKV approx"}
+
+
+def seed_table(res: dict[str, Any]) -> str:
+    rows = []
+    for name, m in res["modes"].items():
+        rows.append([
+            LABELS.get(name, name), f"{m['ttft_ms_mean']:.0f}", f"{m['ttft_ms_p50']:.0f}",
+            f"{m['ttft_ms_p95']:.0f}", f"{m['ttft_speedup_vs_nocache']:.2f}x",
+            f"{100 * m['hit_rate']:.1f}%", f"{m['reused_tokens']}/{m['reused_tokens'] + m['computed_tokens']}",
+            f"{100 * m['fidelity']:.1f}%", f"{100 * m['memory_traffic_ratio']:.1f}%",
+            f"{m['energy_j']:.1f} J / {m['energy_mah']:.3f} mAh ({m['energy_source']})",
+        ])
+    return table(["mode", "TTFT mean ms", "p50", "p95", "vs no cache", "hit rate",
+                  "reused/prompt tokens", "fidelity", "mem traffic", "energy"], rows)
+
+
+def _plots(res: dict[str, Any], out: Path, stem: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(res["modes"])
+    labels = [LABELS.get(n, n) for n in names]
+    files = []
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.boxplot([res["modes"][n]["ttft_ms"] for n in names], showfliers=True)
+    ax.set_xticks(range(1, len(names) + 1), labels, rotation=15)
+    ax.set_yscale("log")
+    ax.set_ylabel("TTFT (ms, log scale)")
+    ax.set_title(f"TTFT per mode, {res['requests']} requests, {res['model']}")
+    fig.tight_layout()
+    files.append(f"{stem}-ttft.png")
+    fig.savefig(out / files[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    tiers = ["exact", "partial", "miss"]
+    x = range(len(tiers))
+    for k, n in enumerate(("edgekv_strict", "edgekv_approx")):
+        by = res["modes"][n]["hit_rate_by_tier"]
+        ax.bar([i + 0.38 * k for i in x], [100 * by.get(t, {}).get("share", 0) for t in tiers],
+               width=0.36, label=f"{LABELS[n]}: share of requests")
+        for i, t in enumerate(tiers):
+            if t in by:
+                ax.text(i + 0.38 * k, 100 * by[t]["share"] + 1, f"hit {100 * by[t]['hit_rate']:.0f}%",
+                        ha="center", fontsize=8)
+    ax.set_xticks([i + 0.19 for i in x], tiers)
+    ax.set_ylabel("% of requests routed to tier")
+    ax.set_title("Semantic tier of each request (and KV reuse hit rate within it)")
+    ax.legend()
+    fig.tight_layout()
+    files.append(f"{stem}-tiers.png")
+    fig.savefig(out / files[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    reused = [res["modes"][n]["reused_tokens"] for n in names]
+    computed = [res["modes"][n]["computed_tokens"] for n in names]
+    ax.bar(labels, reused, label="reused (KV restored / answer cached)")
+    ax.bar(labels, computed, bottom=reused, label="computed (prefill)")
+    ax.set_ylabel("prompt tokens over the run")
+    ax.set_title("Reused vs computed prompt tokens")
+    ax.tick_params(axis="x", rotation=15)
+    ax.legend()
+    fig.tight_layout()
+    files.append(f"{stem}-tokens.png")
+    fig.savefig(out / files[-1], dpi=110)
+    plt.close(fig)
+    return files
+
+
+def write_seed_report(res: dict[str, Any], md_path: Path) -> Path:
+    out = md_path.parent
+    out.mkdir(parents=True, exist_ok=True)
+    pngs = _plots(res, out, md_path.stem)
+    seed_mode = {"nocache": "~1800 ms, 253 mAh", "string": "~1600 ms, 12% hits, 222 mAh",
+                 "edgekv_strict": "~350 ms, 70% hits, 88 mAh"}
+    lines = [
+        f"# EdgeKV seed benchmark: {res['requests']} requests",
+        "",
+        f"Model {res['model']}; {res['clusters']} clusters, {res['unique_prompts']} distinct "
+        f"prompts; first {res['max_tokens']} greedy tokens compared with the no-cache run "
+        f"(fidelity). Machine: {res['environment']['cpu_count']} CPUs, "
+        f"{res['environment']['machine']}; run took {res['wall_s']} s; "
+        f"{res['environment']['timestamp']}.",
+        "",
+        seed_table(res),
+        "",
+        f"Energy is **{res['energy_source']}** ({res['energy_method']}). Memory traffic: "
+        f"{res['memory_traffic_model']}",
+        "",
+        "Seed's figures for comparison (from its model, not a device): " + "; ".join(
+            f"{LABELS[k]} {v}" for k, v in seed_mode.items()) + ".",
+        "",
+        "## Tiers (EdgeKV)",
+        "",
+    ]
+    for n in ("edgekv_strict", "edgekv_approx"):
+        m = res["modes"][n]
+        lines.append(f"- {LABELS[n]}: " + ", ".join(
+            f"{t}: {100 * v['share']:.1f}% of requests, KV hit {100 * v['hit_rate']:.1f}%"
+            for t, v in m["hit_rate_by_tier"].items())
+            + f"; approximate injections: {m['approximate_requests']}")
+    lines += ["", *[f"![{p}]({p})" for p in pngs], ""]
+    md_path.write_text("\n".join(lines))
+    return md_path
