@@ -8,14 +8,15 @@ from .cache import EdgeKV, GenerationResult, PrefixMatch
 from .config import CacheConfig
 from .engines.base import FragmentSpec, KVAdapter
 from .errors import (
-    ConfigError, CorruptEntry, EdgeKVError, EngineError, FragmentError, IncompatibleFragment,
-    ModelNotFound, StoreError, UnsupportedLayout,
+    ChunkRejected, ConfigError, CorruptEntry, EdgeKVError, EngineError, FragmentError,
+    IncompatibleFragment, ModelNotFound, StoreError, StreamTimeout, TransportError,
+    UnsupportedLayout,
 )
 from .fragment import KVFragment
 from .store import FragmentStore, open_store
 
 __all__ = [
-    "CacheConfig", "ConfigError", "CorruptEntry", "EdgeKV", "EdgeKVError", "EngineError",
+    "CacheConfig", "ChunkRejected", "StreamTimeout", "TransportError", "ConfigError", "CorruptEntry", "EdgeKV", "EdgeKVError", "EngineError",
     "FragmentError", "FragmentSpec", "FragmentStore", "GenerationResult", "IncompatibleFragment",
     "KVAdapter", "KVFragment", "ModelNotFound", "PrefixMatch", "StoreError", "UnsupportedLayout",
     "open_llamacpp", "open_router", "open_store",

@@ -146,6 +146,36 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_kv_server(args: argparse.Namespace) -> int:
+    from .cache import EdgeKV
+    from .store import open_store_url
+    from .stream.server import KVServer, load_secret
+
+    cfg = _config(args)
+    store = open_store_url(args.store or str(cfg.cache_dir / "kv-server"), cfg.disk_capacity_bytes)
+    secret = load_secret(Path(args.secret_file or cfg.cache_dir / "kv-server.secret"), create=True)
+    from .engines.llamacpp import LlamaCppAdapter
+
+    kw = {"type_k": 0, "type_v": 0} if args.kv_type == "f32" else {}
+    adapter = LlamaCppAdapter(args.model, n_ctx=args.n_ctx, memo_dir=cfg.cache_dir, **kw)
+    engine = None if args.no_engine else EdgeKV(adapter, store, cfg)
+    server = KVServer(store, secret, fingerprint=adapter.fingerprint.digest,
+                      model=adapter.model_path.name, chunk_size=cfg.chunk_size, engine=engine,
+                      host=args.host, port=args.port)
+    host, port = server.address
+    print(f"kv-server listening on http://{host}:{port} (store {args.store or 'disk'}, "
+          f"model {adapter.model_path.name})", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.shutdown()
+        store.close()
+        adapter.close()
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -196,6 +226,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--entries", type=int, default=1000, help="lookup: vectors in the index")
     engine_opts(b)
     b.set_defaults(func=cmd_bench)
+
+    k = sub.add_parser("kv-server", help="serve precomputed KV chunks (SparKV server)")
+    k.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
+    k.add_argument("--port", type=int, default=8470, help="0 picks a free port")
+    k.add_argument("--store", help="PATH, file://PATH or redis://HOST:PORT/DB (default: disk)")
+    k.add_argument("--secret-file", help="pre-shared secret (created if missing)")
+    k.add_argument("--no-engine", action="store_true", help="serve the store only, no precompute")
+    k.add_argument("--kv-type", choices=["f16", "f32"], default="f16", help="engine KV dtype")
+    engine_opts(k)
+    k.set_defaults(func=cmd_kv_server)
 
     d = sub.add_parser("demo", help="cold vs warm on real prompts (what `make run` shows)")
     engine_opts(d)

@@ -7,8 +7,11 @@
     │   └── UnsupportedLayout  the engine's KV state is in a layout EdgeKV cannot slice safely
     ├── FragmentError          a KVFragment violates an invariant (names field, value, range)
     │   └── IncompatibleFragment  a valid fragment that does not belong to this model/request
-    └── StoreError             a store could not do what was asked
-        └── CorruptEntry       an entry failed its checksum or could not be decoded
+    ├── StoreError             a store could not do what was asked
+    │   └── CorruptEntry       an entry failed its checksum or could not be decoded
+    └── TransportError         the KV server could not be reached or answered wrongly
+        ├── StreamTimeout      no progress within the deadline
+        └── ChunkRejected      a chunk failed authentication, decoding or verification
 """
 
 from __future__ import annotations
@@ -21,7 +24,10 @@ __all__ = [
     "FragmentError",
     "IncompatibleFragment",
     "ModelNotFound",
+    "ChunkRejected",
     "StoreError",
+    "StreamTimeout",
+    "TransportError",
     "UnsupportedLayout",
 ]
 
@@ -60,3 +66,15 @@ class StoreError(EdgeKVError, OSError):
 
 class CorruptEntry(StoreError):
     """A stored entry is damaged (checksum, truncation, undecodable header)."""
+
+
+class TransportError(EdgeKVError, ConnectionError):
+    """The KV server could not be reached, or its answer was unusable."""
+
+
+class StreamTimeout(TransportError, TimeoutError):
+    """A stream made no progress within its deadline."""
+
+
+class ChunkRejected(TransportError):
+    """A streamed chunk failed authentication (AES-GCM), decoding or verification."""

@@ -17,7 +17,7 @@ import numpy as np
 from .errors import CorruptEntry, FragmentError
 from .fragment import KVFragment
 
-__all__ = ["FORMAT_VERSION", "decode_fragment", "encode_fragment", "peek_header"]
+__all__ = ["FORMAT_VERSION", "decode_fragment", "encode_fragment", "pack", "peek_header", "unpack"]
 
 MAGIC = b"EKVF"
 FORMAT_VERSION = 2
@@ -31,13 +31,12 @@ _SCALARS = (
 _ARRAYS = ("token_ids", "keys", "values", "embedding")
 
 
-def encode_fragment(frag: KVFragment) -> bytes:
-    header: dict[str, object] = {name: getattr(frag, name) for name in _SCALARS}
+def pack(header: dict[str, object], arrays: dict[str, np.ndarray | None]) -> bytes:
+    """Header (JSON) + little-endian arrays + SHA-256 trailer."""
     parts: list[bytes] = []
     offset = 0
     tensors: dict[str, object] = {}
-    for name in _ARRAYS:
-        arr = getattr(frag, name)
+    for name, arr in arrays.items():
         if arr is None:
             continue
         arr = np.ascontiguousarray(arr)
@@ -46,10 +45,51 @@ def encode_fragment(frag: KVFragment) -> bytes:
                          "offset": offset, "nbytes": len(data)}
         parts.append(data)
         offset += len(data)
-    header["tensors"] = tensors
-    head = json.dumps(header, sort_keys=True).encode()
+    head = json.dumps({**header, "tensors": tensors}, sort_keys=True).encode()
     body = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(head)) + head + b"".join(parts)
     return body + hashlib.sha256(body).digest()
+
+
+def unpack(blob: bytes | memoryview) -> tuple[dict[str, object], dict[str, np.ndarray]]:
+    """Inverse of `pack`; raises CorruptEntry on any damage."""
+    header, payload = _split(blob)
+    tensors = header.pop("tensors", None)
+    if not isinstance(tensors, dict):
+        raise CorruptEntry("header.tensors is not an object")
+    arrays: dict[str, np.ndarray] = {}
+    try:
+        for name, meta in tensors.items():
+            off, n = int(meta["offset"]), int(meta["nbytes"])
+            if off < 0 or off + n > len(payload):
+                raise CorruptEntry(f"tensor {name} lies outside the entry")
+            arr = np.frombuffer(payload[off : off + n], dtype=np.dtype("<" + meta["dtype"]))
+            arrays[name] = arr.reshape(meta["shape"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise CorruptEntry(f"malformed tensor table: {e!r}") from None
+    return header, arrays
+
+
+def encode_fragment(frag: KVFragment) -> bytes:
+    return pack({name: getattr(frag, name) for name in _SCALARS},
+                {name: getattr(frag, name) for name in _ARRAYS})
+
+
+def fragment_from_parts(header: dict[str, object], arrays: dict[str, np.ndarray]) -> KVFragment:
+    try:
+        kwargs: dict[str, object] = {name: header[name] for name in _SCALARS}
+        for name, arr in arrays.items():
+            if name not in _ARRAYS:
+                raise CorruptEntry(f"unknown tensor {name!r}")
+            kwargs[name] = arr
+        return KVFragment(**kwargs)  # type: ignore[arg-type]
+    except FragmentError as e:
+        raise CorruptEntry(f"entry decodes to an invalid fragment: {e}") from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise CorruptEntry(f"malformed entry header: {e!r}") from None
+
+
+def fragment_header(frag: KVFragment) -> dict[str, object]:
+    return {name: getattr(frag, name) for name in _SCALARS}
 
 
 def _split(blob: bytes | memoryview) -> tuple[dict[str, object], memoryview]:
@@ -80,24 +120,5 @@ def peek_header(blob: bytes | memoryview) -> dict[str, object]:
 
 
 def decode_fragment(blob: bytes | memoryview) -> KVFragment:
-    header, payload = _split(blob)
-    try:
-        kwargs: dict[str, object] = {name: header[name] for name in _SCALARS}
-        tensors = header["tensors"]
-        if not isinstance(tensors, dict):
-            raise CorruptEntry("header.tensors is not an object")
-        for name, meta in tensors.items():
-            if name not in _ARRAYS:
-                raise CorruptEntry(f"unknown tensor {name!r}")
-            off, n = int(meta["offset"]), int(meta["nbytes"])
-            if off < 0 or off + n > len(payload):
-                raise CorruptEntry(f"tensor {name} lies outside the entry")
-            arr = np.frombuffer(payload[off : off + n], dtype=np.dtype("<" + meta["dtype"]))
-            kwargs[name] = arr.reshape(meta["shape"])
-        return KVFragment(**kwargs)  # type: ignore[arg-type]
-    except CorruptEntry:
-        raise
-    except FragmentError as e:
-        raise CorruptEntry(f"entry decodes to an invalid fragment: {e}") from None
-    except (KeyError, TypeError, ValueError) as e:
-        raise CorruptEntry(f"malformed entry header: {e!r}") from None
+    header, arrays = unpack(blob)
+    return fragment_from_parts(header, arrays)

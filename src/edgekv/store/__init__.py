@@ -10,8 +10,23 @@ from .tiered import TieredStore
 
 __all__ = [
     "DiskStore", "FragmentStore", "MemoryStore", "StoreStats", "TieredStore", "check_key",
-    "open_store",
+    "open_store", "open_store_url",
 ]
+
+
+def open_store_url(url: str, capacity_bytes: int) -> FragmentStore:
+    """A single tier chosen by URL: a path or `file://PATH` (disk), `redis://HOST:PORT/DB`,
+    or `memory://` (RAM, for tests)."""
+    from pathlib import Path
+
+    if url.startswith("redis://") or url.startswith("rediss://"):
+        from .redis import RedisStore
+
+        return RedisStore(url)
+    if url.startswith("memory://"):
+        return MemoryStore(capacity_bytes)
+    path = url[len("file://"):] if url.startswith("file://") else url
+    return DiskStore(Path(path), capacity_bytes)
 
 
 def open_store(config: CacheConfig) -> TieredStore:

@@ -1,0 +1,1 @@
+"""Hybrid KV loading (SparKV): stream KV chunks from a server or compute them locally."""

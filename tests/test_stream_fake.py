@@ -1,0 +1,214 @@
+"""SparKV pieces on the fake engine with an in-process server: codec, cipher, planner,
+shaping, and the executor's three strategies and fault paths."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+import pytest
+
+from edgekv import CacheConfig, ChunkRejected, EdgeKV, open_store
+from edgekv.engines.fake import FakeAdapter
+from edgekv.stream.client import KVClient
+from edgekv.stream.codec import (SessionCipher, decode_chunk, encode_chunk, quantize_error)
+from edgekv.stream.costmodel import CostModel
+from edgekv.stream.hybrid import HybridLoader
+from edgekv.stream.netem import Shaper
+from edgekv.stream.planner import plan, simulate
+from edgekv.stream.server import KVServer
+
+from .streamkit import SilentServer, TamperProxy
+
+SECRET = b"s" * 32
+PROMPT = list(range(2, 2 + 64 * 6)) + [7, 8, 9]  # 6 full chunks of 64 + a short tail
+
+
+def frag(adapter=None):
+    a = adapter or FakeAdapter()
+    a.clear_kv_cache()
+    a.prefill(list(range(1, 129)), align=64)
+    from edgekv.engines.base import FragmentSpec
+    return a.extract_fragments([FragmentSpec("k" * 64, 0, 64)])[0]
+
+
+def test_codec_levels():
+    f = frag()
+    back = decode_chunk(encode_chunk(f, "f16"))
+    assert np.array_equal(back.keys, f.keys) and np.array_equal(back.values, f.values)
+    assert back.chain_key == f.chain_key and np.array_equal(back.token_ids, f.token_ids)
+    e8, e4 = quantize_error(f, "int8"), quantize_error(f, "int4")
+    assert 0 < e8["max_abs"] < e4["max_abs"] < 1.0
+    assert len(encode_chunk(f, "int4")) < len(encode_chunk(f, "int8")) < len(encode_chunk(f, "f16"))
+    with pytest.raises(ChunkRejected):
+        decode_chunk(b"not a chunk")
+
+
+def test_cipher_rejects_tampering_and_misplacement():
+    c = SessionCipher(b"k" * 32)
+    sealed = c.seal(b"payload", b"s|a")
+    assert c.open(sealed, b"s|a") == b"payload"
+    bad = bytearray(sealed)
+    bad[20] ^= 1
+    with pytest.raises(ChunkRejected):
+        c.open(bytes(bad), b"s|a")
+    with pytest.raises(ChunkRejected):
+        c.open(sealed, b"s|b")  # the same frame offered for another chunk
+
+
+@pytest.mark.parametrize("mbps", [0.5, 5, 20, 80, 400, 4000])
+@pytest.mark.parametrize("rtt", [0.005, 0.08])
+def test_plan_never_predicted_worse_than_pure_strategies(mbps, rtt):
+    cost = CostModel(bandwidth_Bps=mbps * 1e6 / 8, rtt_s=rtt, prefill_a_s=0.25, prefill_b_s=0.02)
+    raw = 128 * 23040
+    p = plan(8, [False] * 8, [True] * 8, raw, cost)
+    assert p.ttft_s <= min(p.all_local_s, p.all_stream_s) + 1e-9
+    assert simulate(p.actions, raw, cost)[0] == pytest.approx(p.ttft_s)
+
+
+def test_plan_picks_each_regime():
+    raw = 128 * 23040
+    slow = plan(8, [False] * 8, [True] * 8, raw, CostModel(bandwidth_Bps=0.1e6 / 8))
+    fast = plan(8, [False] * 8, [True] * 8, raw, CostModel(bandwidth_Bps=10e9 / 8, rtt_s=0.001))
+    assert set(slow.actions) == {"compute"} and set(fast.actions) == {"stream"}
+    mid = plan(8, [False] * 8, [True] * 8, raw, CostModel(bandwidth_Bps=40e6 / 8, rtt_s=0.01))
+    assert set(mid.actions) == {"compute", "stream"}  # the crossover: both paths at once
+    assert mid.ttft_s < min(mid.all_local_s, mid.all_stream_s)
+    assert mid.actions[0] == "compute"  # compute the leading chunks while the rest arrive
+    energy = plan(8, [False] * 8, [True] * 8, raw, CostModel(bandwidth_Bps=40e6 / 8),
+                  objective="energy")
+    assert energy.energy_j <= mid.energy_j + 1e-9
+    local = plan(8, [True, True] + [False] * 6, [True] * 8, raw, CostModel())
+    assert local.actions[:2] == ("local", "local")
+
+
+def test_shaper_holds_bytes_to_bandwidth_and_rtt():
+    s = Shaper(bandwidth_mbps=8.0, rtt_ms=50)
+    t = time.perf_counter()
+    s.on_request()
+    for _ in range(10):
+        s.on_bytes(50_000)  # 500 kB at 8 Mbit/s = 0.5 s
+    assert time.perf_counter() - t >= 0.55
+    with pytest.raises(ValueError):
+        Shaper(bandwidth_mbps=0)
+
+
+@pytest.fixture
+def server(tmp_path):
+    cfg = CacheConfig(chunk_size=64, cache_dir=tmp_path / "server")
+    store = open_store(cfg)
+    engine = EdgeKV(FakeAdapter(), store, cfg)
+    srv = KVServer(store, SECRET, fingerprint=engine.fingerprint, model="fake", chunk_size=64,
+                   engine=engine)
+    srv.start_background()
+    yield srv
+    srv.shutdown()
+    store.close()
+
+
+def device(tmp_path, url, **kw):
+    cfg = CacheConfig(chunk_size=64, cache_dir=tmp_path / "device")
+    kv = EdgeKV(FakeAdapter(), open_store(cfg), cfg)
+    return HybridLoader(kv, KVClient(url, SECRET, timeout_s=kw.pop("timeout_s", 2.0), **kw),
+                        CostModel(bandwidth_Bps=40e6 / 8, rtt_s=0.002, prefill_a_s=0.002,
+                                  prefill_b_s=0.0))
+
+
+def cold(prompt):
+    a = FakeAdapter()
+    return a.prefill(prompt, align=64)
+
+
+@pytest.mark.parametrize("strategy", ["local", "stream", "hybrid"])
+def test_every_strategy_gives_the_cold_answer(server, tmp_path, strategy):
+    host, port = server.address
+    KVClient(f"http://{host}:{port}", SECRET).precompute(PROMPT)
+    h = device(tmp_path, f"http://{host}:{port}")
+    r = h.generate(PROMPT, max_tokens=4, strategy=strategy)
+    assert np.array_equal(r.first_logits, cold(PROMPT))
+    if strategy == "stream":
+        assert r.streamed_chunks == 6 and r.computed_chunks == 0 and r.wire_bytes > 0
+    if strategy == "local":
+        assert r.streamed_chunks == 0 and r.computed_chunks == 6
+    assert r.fallback is None
+    again = h.generate(PROMPT, max_tokens=4)  # now all local from the device's own cache
+    assert again.local_chunks == 6 and np.array_equal(again.first_logits, r.first_logits)
+
+
+def test_server_missing_chunks_are_computed(server, tmp_path):
+    host, port = server.address
+    KVClient(f"http://{host}:{port}", SECRET).precompute(PROMPT[:64 * 3 + 1])  # only 3 chunks
+    h = device(tmp_path, f"http://{host}:{port}")
+    r = h.generate(PROMPT, max_tokens=2, strategy="stream")
+    assert r.streamed_chunks == 3 and r.computed_chunks == 3
+    assert np.array_equal(r.first_logits, cold(PROMPT))
+
+
+def test_tampered_chunk_is_rejected_and_computed(server, tmp_path):
+    host, port = server.address
+    KVClient(f"http://{host}:{port}", SECRET).precompute(PROMPT)
+    proxy = TamperProxy((host, port), flip_at=3000)
+    h = device(tmp_path, f"http://127.0.0.1:{proxy.port}")
+    r = h.generate(PROMPT, max_tokens=2, strategy="stream")
+    proxy.close()
+    assert proxy.flipped and "authentication" in (r.fallback or "")
+    assert np.array_equal(r.first_logits, cold(PROMPT))
+
+
+def test_stalled_server_times_out_to_local_compute(tmp_path):
+    silent = SilentServer()
+    t = time.perf_counter()
+    h = device(tmp_path, f"http://127.0.0.1:{silent.port}", timeout_s=0.5)
+    r = h.generate(PROMPT, max_tokens=2, strategy="stream")
+    silent.close()
+    assert r.fallback and "unreachable" in r.fallback
+    assert np.array_equal(r.first_logits, cold(PROMPT))
+    assert time.perf_counter() - t < 30  # bounded: the device never waits forever
+
+
+def test_stream_stalling_mid_way_falls_back_in_bounded_time(server, tmp_path):
+    host, port = server.address
+    KVClient(f"http://{host}:{port}", SECRET).precompute(PROMPT)
+    proxy = TamperProxy((host, port), stall_at=5000)
+    h = device(tmp_path, f"http://127.0.0.1:{proxy.port}", timeout_s=0.5)
+    r = h.generate(PROMPT, max_tokens=2, strategy="stream")
+    proxy.close()
+    assert "StreamTimeout" in (r.fallback or "") and r.computed_chunks >= 5
+    assert np.array_equal(r.first_logits, cold(PROMPT))
+
+
+def test_wrong_model_fingerprint_is_refused(tmp_path):
+    cfg = CacheConfig(chunk_size=64, cache_dir=tmp_path / "other")
+    store = open_store(cfg)
+    other = EdgeKV(FakeAdapter(tag="another-model"), store, cfg)
+    srv = KVServer(store, SECRET, fingerprint=other.fingerprint, model="other", chunk_size=64,
+                   engine=other)
+    srv.start_background()
+    host, port = srv.address
+    h = device(tmp_path, f"http://{host}:{port}")
+    r = h.generate(PROMPT, max_tokens=2, strategy="hybrid")
+    srv.shutdown()
+    assert r.fallback and "differs" in r.fallback and r.streamed_chunks == 0
+    assert np.array_equal(r.first_logits, cold(PROMPT))
+
+
+def test_wrong_secret_cannot_read_chunks(server, tmp_path):
+    host, port = server.address
+    KVClient(f"http://{host}:{port}", SECRET).precompute(PROMPT)
+    cfg = CacheConfig(chunk_size=64, cache_dir=tmp_path / "dev2")
+    kv = EdgeKV(FakeAdapter(), open_store(cfg), cfg)
+    h = HybridLoader(kv, KVClient(f"http://{host}:{port}", b"x" * 32))
+    r = h.generate(PROMPT, max_tokens=2, strategy="stream")
+    assert r.streamed_chunks == 0 and "authentication" in (r.fallback or "")
+    assert np.array_equal(r.first_logits, cold(PROMPT))
+
+
+def test_quantized_stream_is_approximate_but_valid(server, tmp_path):
+    host, port = server.address
+    KVClient(f"http://{host}:{port}", SECRET).precompute(PROMPT)
+    h = device(tmp_path, f"http://{host}:{port}")
+    h.codec = "int8"
+    r = h.generate(PROMPT, max_tokens=2, strategy="stream", store=False)
+    assert r.streamed_chunks == 6
+    assert not np.array_equal(r.first_logits, cold(PROMPT))  # lossy: measured, not hidden
