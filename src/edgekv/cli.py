@@ -125,6 +125,26 @@ def cmd_bench(args: argparse.Namespace) -> int:
         md = write_seed_report(res, path.with_suffix(".md"))
         print(f"wrote {path}\nreport: {md} (with PNG plots beside it)")
         return 0
+    if args.name == "stream":
+        from .bench.stream import run_stream_bench, stream_table, write_stream_plot
+
+        def floats(v: str) -> tuple[float, ...]:
+            return tuple(float(x) for x in v.split(","))
+
+        res = run_stream_bench(model=args.model, bandwidths=floats(args.bandwidths),
+                               rtts=floats(args.rtts),
+                               contexts=tuple(int(x) for x in args.contexts.split(",")),
+                               stream_deadline_s=args.stream_deadline, progress=progress)
+        text = stream_table(res)
+        print(text)
+        path = write_json(args.json or "bench-out/stream.json", res)
+        png = write_stream_plot(res, path.with_suffix(".png"))
+        path.with_suffix(".md").write_text(
+            f"# edgekv bench stream\n\n{text}\n\n(pred N): not run, predicted by the cost model "
+            f"(above the {res['stream_deadline_s']:.0f} s deadline). Energy: {res['energy_method']} "
+            f"(estimated).\n\n![TTFT vs bandwidth]({png.name})\n")
+        print(f"wrote {path}, {path.with_suffix('.md')} and {png}")
+        return 0
     if args.name == "lookup":
         from .bench.lookup import lookup_table, run_lookup_bench
 
@@ -215,7 +235,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_cache)
 
     b = sub.add_parser("bench", help="benchmarks (write JSON)")
-    b.add_argument("name", choices=["reuse", "lookup", "seed"])
+    b.add_argument("name", choices=["reuse", "lookup", "seed", "stream"])
+    b.add_argument("--bandwidths", default="1,5,20,100,500", help="stream: Mbit/s list")
+    b.add_argument("--rtts", default="10,80", help="stream: RTT ms list")
+    b.add_argument("--contexts", default="512,1024", help="stream: context token counts")
+    b.add_argument("--stream-deadline", type=float, default=40.0,
+                   help="stream: all-stream runs predicted longer than this are not run")
     b.add_argument("--requests", type=int, help="seed: number of requests (default 1000)")
     b.add_argument("--workload", help="seed: JSONL file, one {prompt, cluster?, max_tokens?} a line")
     b.add_argument("--seed", type=int, default=0, help="seed: workload RNG seed")

@@ -55,6 +55,8 @@ class KVClient:
     def _call(self, method: str, path: str, body: Any = None) -> Any:
         conn = self._conn()
         try:
+            if self.shaper:
+                self.shaper.on_request()
             data = None if body is None else json.dumps(body).encode()
             conn.request(method, path, body=data,
                          headers={"Content-Type": "application/json"} if data else {})

@@ -1,0 +1,205 @@
+"""SparKV against the real server process, the real engine and a real redis-server."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edgekv import CacheConfig, EdgeKV, open_store
+from edgekv.bench.texts import MANUAL, SYSTEM_PROMPT
+from edgekv.stream.client import KVClient
+from edgekv.stream.costmodel import CostModel
+from edgekv.stream.hybrid import HybridLoader
+from edgekv.stream.netem import Shaper
+
+from .conftest import require_real
+from .streamkit import TamperProxy
+
+try:
+    from edgekv.engines.llamacpp import LlamaCppAdapter
+    from edgekv.engines.models import default_model_path
+
+    default_model_path()
+    import cryptography  # noqa: F401
+    import zstandard  # noqa: F401
+except Exception as e:  # noqa: BLE001
+    if require_real():
+        raise
+    pytest.skip(f"streaming stack unavailable: {e}", allow_module_level=True)
+
+pytestmark = pytest.mark.real
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
+
+
+def start_server(tmp: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "edgekv", "kv-server", "--port", "0", "--cache-dir", str(tmp),
+         "--secret-file", str(tmp.parent / "secret"), *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    line = proc.stdout.readline()  # type: ignore[union-attr]
+    if "listening on" not in line:
+        proc.kill()
+        raise RuntimeError(f"kv-server did not start: {line!r} {proc.stderr.read()[-2000:]}")  # type: ignore[union-attr]
+    return proc, line.split("listening on ")[1].split()[0]
+
+
+@pytest.fixture(scope="module")
+def adapter():
+    a = LlamaCppAdapter(n_ctx=2048)
+    yield a
+    a.close()
+
+
+@pytest.fixture(scope="module")
+def prompt(adapter):
+    return adapter.tokenize(SYSTEM_PROMPT + "\n\n" + MANUAL)[:600] + adapter.tokenize(
+        "\nQuestion: what does an orange ring mean?\nAnswer:", add_bos=False)
+
+
+@pytest.fixture(scope="module")
+def cold(adapter, prompt):
+    adapter.clear_kv_cache()
+    logits = adapter.prefill(prompt, align=128)
+    return logits, adapter.generate(logits, 8).tokens
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, prompt):
+    tmp = tmp_path_factory.mktemp("srv") / "cache"
+    proc, url = start_server(tmp)
+    secret = bytes.fromhex((tmp.parent / "secret").read_text())
+    KVClient(url, secret, timeout_s=60).precompute(prompt)
+    yield url, secret, proc
+    proc.kill()
+    proc.wait()
+
+
+def loader(adapter, tmp_path, url, secret, **kw):
+    cfg = CacheConfig(cache_dir=tmp_path / "device")
+    kv = EdgeKV(adapter, open_store(cfg), cfg)
+    return HybridLoader(kv, KVClient(url, secret, timeout_s=kw.pop("timeout_s", 3.0), **kw),
+                        CostModel(bandwidth_Bps=kw.pop("bw", 50e6 / 8)))
+
+
+def check(r, cold):
+    assert np.array_equal(r.first_logits, cold[0])
+    assert r.tokens == cold[1]
+
+
+@pytest.mark.parametrize("strategy", ["local", "stream", "hybrid"])
+def test_strategies_equal_cold_on_the_real_model(adapter, tmp_path, server, cold, prompt, strategy):
+    url, secret, _ = server
+    r = loader(adapter, tmp_path, url, secret).generate(prompt, max_tokens=8, strategy=strategy)
+    check(r, cold)
+    assert r.fallback is None
+    if strategy == "stream":
+        assert r.streamed_chunks == 4 and r.computed_chunks == 0
+
+
+def test_server_killed_mid_stream(adapter, tmp_path, prompt, cold):
+    proc, url = start_server(tmp_path / "victim")
+    secret = bytes.fromhex((tmp_path / "secret").read_text())
+    KVClient(url, secret, timeout_s=60).precompute(prompt)
+    h = loader(adapter, tmp_path, url, secret, shaper=Shaper(bandwidth_mbps=20))
+    threading.Timer(0.8, proc.kill).start()
+    r = h.generate(prompt, max_tokens=8, strategy="stream")
+    proc.wait()
+    assert r.fallback and r.computed_chunks >= 1
+    check(r, cold)
+
+
+@pytest.mark.parametrize("fault", ["stall", "tamper"])
+def test_stalled_or_tampered_stream(adapter, tmp_path, server, prompt, cold, fault):
+    url, secret, _ = server
+    host, port = url.split("//")[1].split(":")
+    kw = {"stall_at": 200_000} if fault == "stall" else {"flip_at": 100_000}
+    proxy = TamperProxy((host, int(port)), **kw)
+    t = time.perf_counter()
+    r = loader(adapter, tmp_path, f"http://127.0.0.1:{proxy.port}", secret,
+               timeout_s=1.0).generate(prompt, max_tokens=8, strategy="stream")
+    proxy.close()
+    assert r.fallback and ("StreamTimeout" if fault == "stall" else "authentication") in r.fallback
+    assert time.perf_counter() - t < 60
+    check(r, cold)
+
+
+def test_wrong_model_fingerprint_server(adapter, tmp_path, prompt, cold):
+    proc, url = start_server(tmp_path / "f32", "--kv-type", "f32")  # same weights, f32 KV
+    try:
+        secret = bytes.fromhex((tmp_path / "secret").read_text())
+        r = loader(adapter, tmp_path, url, secret).generate(prompt, max_tokens=8, strategy="stream")
+        assert r.fallback and "differs" in r.fallback and r.streamed_chunks == 0
+        check(r, cold)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture
+def redis_url(tmp_path):
+    exe = shutil.which("redis-server")
+    if exe is None:
+        if require_real():
+            pytest.fail("redis-server is not installed (.ci/run installs it with apt-get)")
+        pytest.skip("redis-server not installed")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", str(tmp_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    import redis
+
+    r = redis.Redis(port=port)
+    for _ in range(100):
+        try:
+            r.ping()
+            break
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    yield f"redis://127.0.0.1:{port}/0"
+    r.close()
+    proc.terminate()
+    proc.wait()
+
+
+def test_redis_store_behaviour(redis_url, fragment_factory):
+    from edgekv.store.redis import RedisStore
+
+    s = RedisStore(redis_url)
+    f = fragment_factory(chain_key="c", parent_key="p").stamped(time.time(), 60)
+    s.put("c", f)
+    assert s.contains("c") and (s.get("c").keys == f.keys).all()
+    assert [k for k, _ in s.children("p")] == ["c"]
+    s.touch("c", 5, time.time() + 600)
+    assert s.get("c").hit_count == 5
+    s._r.set("edgekv:frag:c", b"garbage")  # damaged value: a logged miss, then removed
+    assert s.get("c") is None and not s.contains("c")
+    s.put("old", fragment_factory().stamped(time.time() - 100, 50))
+    assert s.get("old") is None  # expired
+    s.close()
+
+
+def test_two_servers_share_one_redis(adapter, tmp_path, redis_url, prompt, cold):
+    a_proc, a_url = start_server(tmp_path / "a", "--store", redis_url)
+    b_proc, b_url = start_server(tmp_path / "b", "--store", redis_url, "--no-engine")
+    try:
+        secret = bytes.fromhex((tmp_path / "secret").read_text())
+        KVClient(a_url, secret, timeout_s=60).precompute(prompt)  # A computes, B serves
+        r = loader(adapter, tmp_path, b_url, secret).generate(prompt, max_tokens=8,
+                                                              strategy="stream")
+        assert r.streamed_chunks == 4 and r.fallback is None
+        check(r, cold)
+    finally:
+        for p in (a_proc, b_proc):
+            p.kill()
+            p.wait()
