@@ -44,7 +44,17 @@ def test_at_least_one_token_is_computed(fake_cache):
     tokens = list(range(1, 129))  # exactly two chunks
     fake_cache.generate(tokens, max_tokens=1)
     r = fake_cache.generate(tokens, max_tokens=1)
+    assert r.cached_tokens == 64 and r.computed_tokens == 64  # whole chunks only (batch-exact)
+
+
+def test_partial_reuse_cuts_a_stored_chunk(tmp_path):
+    cfg = CacheConfig(chunk_size=64, cache_dir=tmp_path, partial_reuse=True)
+    kv = EdgeKV(FakeAdapter(), open_store(cfg), cfg)
+    tokens = list(range(1, 129))
+    kv.generate(tokens, max_tokens=1)
+    r = kv.generate(tokens, max_tokens=1)
     assert r.cached_tokens == 127 and r.computed_tokens == 1  # the stored 2nd chunk, cut
+    assert not r.match.batch_exact(64) and r.stored_fragments == 0
 
 
 def test_foreign_fragment_under_the_right_key_is_rejected(fake_cache, caplog):

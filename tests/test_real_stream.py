@@ -41,15 +41,25 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 
 
 def start_server(tmp: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+    tmp.mkdir(parents=True, exist_ok=True)
+    log = open(tmp / "server.log", "w")  # noqa: SIM115 - closed by stop()
     proc = subprocess.Popen(
         [sys.executable, "-m", "edgekv", "kv-server", "--port", "0", "--cache-dir", str(tmp),
          "--secret-file", str(tmp.parent / "secret"), *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+        stdout=subprocess.PIPE, stderr=log, text=True, env=ENV)
+    proc._log = log  # type: ignore[attr-defined]
     line = proc.stdout.readline()  # type: ignore[union-attr]
     if "listening on" not in line:
-        proc.kill()
-        raise RuntimeError(f"kv-server did not start: {line!r} {proc.stderr.read()[-2000:]}")  # type: ignore[union-attr]
+        stop(proc)
+        raise RuntimeError(f"kv-server did not start: {line!r} {(tmp / 'server.log').read_text()[-2000:]}")
     return proc, line.split("listening on ")[1].split()[0]
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.kill()
+    proc.wait()
+    proc.stdout.close()  # type: ignore[union-attr]
+    proc._log.close()  # type: ignore[attr-defined]
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +89,7 @@ def server(tmp_path_factory, prompt):
     secret = bytes.fromhex((tmp.parent / "secret").read_text())
     KVClient(url, secret, timeout_s=60).precompute(prompt)
     yield url, secret, proc
-    proc.kill()
-    proc.wait()
+    stop(proc)
 
 
 def loader(adapter, tmp_path, url, secret, **kw):
@@ -112,7 +121,7 @@ def test_server_killed_mid_stream(adapter, tmp_path, prompt, cold):
     h = loader(adapter, tmp_path, url, secret, shaper=Shaper(bandwidth_mbps=20))
     threading.Timer(0.8, proc.kill).start()
     r = h.generate(prompt, max_tokens=8, strategy="stream")
-    proc.wait()
+    stop(proc)
     assert r.fallback and r.computed_chunks >= 1
     check(r, cold)
 
@@ -140,8 +149,7 @@ def test_wrong_model_fingerprint_server(adapter, tmp_path, prompt, cold):
         assert r.fallback and "differs" in r.fallback and r.streamed_chunks == 0
         check(r, cold)
     finally:
-        proc.kill()
-        proc.wait()
+        stop(proc)
 
 
 @pytest.fixture
@@ -201,5 +209,4 @@ def test_two_servers_share_one_redis(adapter, tmp_path, redis_url, prompt, cold)
         check(r, cold)
     finally:
         for p in (a_proc, b_proc):
-            p.kill()
-            p.wait()
+            stop(p)

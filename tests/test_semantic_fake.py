@@ -36,12 +36,25 @@ def test_paraphrase_routes_and_reuses_verified_prefix_exactly(kv):
     m = warm.match
     assert m.tier in ("exact", "partial") and m.similarity >= 0.75
     n_chain = (len(kv.adapter.tokenize(prompt)) - 1) // 64 * 64
-    assert m.exact_tokens == n_chain
+    assert m.exact_tokens == warm.cached_tokens == n_chain  # strict: whole chunks
+    assert not m.approximate and m.batch_exact(64)
+    assert np.array_equal(warm.first_logits, cold.first_logits) and warm.tokens == cold.tokens
+
+
+def test_partial_reuse_extends_to_where_tokens_differ(tmp_path):
+    kv = make(tmp_path, partial_reuse=True)
+    kv.generate(CONTEXT + "User: how long does the hub take to start?", max_tokens=4)
+    prompt = CONTEXT + "User: how long does the hub need to start up?"
+    cold = kv.generate(prompt, max_tokens=8, use_cache=False)
+    warm = kv.generate(prompt, max_tokens=8)
+    n_chain = (len(kv.adapter.tokenize(prompt)) - 1) // 64 * 64
     # the stored tail fragment extends reuse past the last full chunk, up to where tokens differ
     common = len(CONTEXT) + len("User: how long does the hub ") + 1  # +1 BOS
-    assert warm.cached_tokens == common > n_chain
-    assert not m.approximate
-    assert np.array_equal(warm.first_logits, cold.first_logits) and warm.tokens == cold.tokens
+    assert warm.match.exact_tokens == n_chain and warm.cached_tokens == common > n_chain
+    assert not warm.match.approximate and not warm.match.batch_exact(64)
+    # the fake engine is batch-invariant, so here even this equals cold
+    assert np.array_equal(warm.first_logits, cold.first_logits)
+    kv.close()
 
 
 def test_unrelated_prompt_misses(kv):

@@ -45,6 +45,10 @@ class PrefixMatch:
     def fragments(self) -> tuple[KVFragment, ...]:
         return tuple(f for c in self.chunks for f in c.fragments)
 
+    def batch_exact(self, chunk_size: int) -> bool:
+        """Whole chunks of this request's own tokens: a warm run equals a cold one bit for bit."""
+        return not self.approximate and self.n_tokens % chunk_size == 0
+
     @property
     def source_tiers(self) -> tuple[str, ...]:
         return tuple(c.tier for c in self.chunks)
@@ -108,10 +112,13 @@ class EdgeKV:
         """What to restore for `tokens`: at most len(tokens) - 1 positions, so the first
         output token's logits are always computed.
 
-        Strict reuse is found without embeddings: the exact chain walk, then the stored
-        successors of its last chunks compared token by token (a radix step). Any KV valid
-        for this request hangs off its own chain, so semantic search cannot find more; it is
-        needed before the first token only in approximate mode (`text` is then embedded).
+        Strict reuse is the exact chain walk: whole chunks, so every batch the engine then
+        runs has the same shape as in a cold run and the logits are bit-identical. With
+        `partial_reuse` (or in approximate mode) the stored successors of the chain's last
+        chunks are compared token by token and a common prefix ending inside a chunk is
+        reused too (a radix step; token-verified, not batch-exact). Any KV valid for this
+        request hangs off its own chain, so semantic search cannot find more; it is needed
+        before the first token only in approximate mode (`text` is then embedded).
         """
         now = time.time() if now is None else now
         approximate = self.config.approximate if approximate is None else approximate
@@ -125,7 +132,8 @@ class EdgeKV:
             chunks.append(chunk)
         n = len(chunks) * c
         best = PrefixMatch(n, tuple(chunks), n)
-        ext = self._successors(ids, chunks, limit, now, rejections)
+        ext = (self._successors(ids, chunks, limit, now, rejections)
+               if self.config.partial_reuse or approximate else None)
         if ext is not None:
             best = replace(best, n_tokens=ext[1], chunks=tuple(ext[0]))
         if approximate and self.router is not None and text is not None:
@@ -179,7 +187,9 @@ class EdgeKV:
                          keep_logits=keep_logits)
         t_gen = time.perf_counter()
         stored = written = 0
-        if store and use_cache and not match.approximate:
+        # KV computed on top of reuse that was not batch-exact is not what a cold run would
+        # hold, so it is never stored (it would spread the difference to later requests)
+        if store and use_cache and match.batch_exact(self.config.chunk_size):
             stored, written = self._store_new(tokens, cached)
         self._record_hits(match)
         if self.prefetcher is not None and use_cache:
@@ -283,7 +293,7 @@ class EdgeKV:
             if (i + 1) * c > cached:
                 spans.append((key, keys[i - 1] if i else "", i * c, (i + 1) * c))
         tail = len(tokens) - len(keys) * c
-        if tail and self.router is not None:
+        if tail and (self.router is not None or self.config.partial_reuse):
             # the tokens after the last full chunk, found again by semantic search and verified
             # token by token; a tail shorter than a fragment's minimum span is stored together
             # with the chunk before it (that chunk's KV is then held twice)

@@ -126,7 +126,8 @@ class HybridLoader:
                            local_chunks=len(local))
         if not stream_ok and self.server_ok and strategy != "local":
             res.fallback = self.server_ok
-        logits = self._execute(tokens, keys, local, list(actions), res)
+        logits = self._execute(tokens, keys, local, list(actions), res,
+                               patient=strategy == "stream")
         res.ttft_s = time.perf_counter() - t0
         res.first_logits = logits
         gen = a.generate(logits, max_tokens)
@@ -155,7 +156,9 @@ class HybridLoader:
             raise ChunkRejected(f"chunk {i} does not hold the request's tokens")
 
     def _execute(self, tokens: list[int], keys: list[str], local: list[KVFragment],
-                 actions: list[str], res: HybridResult) -> np.ndarray:
+                 actions: list[str], res: HybridResult, *, patient: bool = False) -> np.ndarray:
+        """`patient`: wait for every streamed chunk (the all-stream baseline) instead of
+        computing one that is predicted to arrive later than it would take to compute."""
         a, c = self.kv.adapter, self.kv.config.chunk_size
         n = len(keys)
         frags: dict[int, KVFragment] = dict(enumerate(local))
@@ -200,7 +203,7 @@ class HybridLoader:
             if planned_stream and not dead:
                 ahead = [i for i in stream.pending if i <= pos and i not in got]
                 wait = self.cost.transfer_s(self.cost.wire_bytes(len(ahead) * c * a.fingerprint.kv_bytes_per_token))
-                if wait < self.cost.compute_s(pos):
+                if patient or wait < self.cost.compute_s(pos):
                     try:
                         item = stream.q.get(timeout=max(0.05, min(2 * wait + 0.05, self.client.timeout_s)))
                     except queue.Empty:
