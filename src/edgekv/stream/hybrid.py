@@ -127,7 +127,7 @@ class HybridLoader:
         if not stream_ok and self.server_ok and strategy != "local":
             res.fallback = self.server_ok
         logits = self._execute(tokens, keys, local, list(actions), res,
-                               patient=strategy == "stream")
+                               patient=strategy == "stream", adaptive=strategy == "hybrid")
         res.ttft_s = time.perf_counter() - t0
         res.first_logits = logits
         gen = a.generate(logits, max_tokens)
@@ -156,7 +156,8 @@ class HybridLoader:
             raise ChunkRejected(f"chunk {i} does not hold the request's tokens")
 
     def _execute(self, tokens: list[int], keys: list[str], local: list[KVFragment],
-                 actions: list[str], res: HybridResult, *, patient: bool = False) -> np.ndarray:
+                 actions: list[str], res: HybridResult, *, patient: bool = False,
+                 adaptive: bool = True) -> np.ndarray:
         """`patient`: wait for every streamed chunk (the all-stream baseline) instead of
         computing one that is predicted to arrive later than it would take to compute."""
         a, c = self.kv.adapter, self.kv.config.chunk_size
@@ -177,18 +178,22 @@ class HybridLoader:
 
         stream = start([i for i in range(pos, n) if actions[i] == STREAM])
         last_at = 0.0
+
+        def take(item: object) -> None:
+            """Record one queue item; a sentinel or an error ends the current stream."""
+            nonlocal stream, dead, last_at
+            assert stream is not None
+            last_at = self._take(item, stream, got, keys, tokens, res, last_at)
+            if item is None or isinstance(item, BaseException):
+                dead = dead or isinstance(item, BaseException)
+                stream, last_at = None, 0.0
+
         while pos < n:
-            # take in whatever has arrived
-            while stream is not None:
+            while stream is not None:  # take in whatever has arrived
                 try:
-                    item = stream.q.get_nowait()
+                    take(stream.q.get_nowait())
                 except queue.Empty:
                     break
-                last_at = self._take(item, stream, got, keys, tokens, res, last_at)
-                if item is None or isinstance(item, BaseException):
-                    dead = dead or isinstance(item, BaseException)
-                    stream = None
-                    last_at = 0.0
             if pos in got:
                 end = pos
                 while end in got:
@@ -199,19 +204,16 @@ class HybridLoader:
                 res.streamed_chunks += end - pos
                 pos = end
                 continue
-            planned_stream = actions[pos] == STREAM and stream is not None and pos in stream.pending
-            if planned_stream and not dead:
+            if not dead and stream is not None and actions[pos] == STREAM and pos in stream.pending:
                 ahead = [i for i in stream.pending if i <= pos and i not in got]
-                wait = self.cost.transfer_s(self.cost.wire_bytes(len(ahead) * c * a.fingerprint.kv_bytes_per_token))
+                raw = len(ahead) * c * a.fingerprint.kv_bytes_per_token
+                wait = self.cost.transfer_s(self.cost.wire_bytes(raw))
                 if patient or wait < self.cost.compute_s(pos):
+                    assert self.client is not None
                     try:
-                        item = stream.q.get(timeout=max(0.05, min(2 * wait + 0.05, self.client.timeout_s)))
+                        take(stream.q.get(timeout=max(0.05, min(2 * wait + 0.05, self.client.timeout_s))))
                     except queue.Empty:
-                        continue
-                    last_at = self._take(item, stream, got, keys, tokens, res, last_at)
-                    if item is None or isinstance(item, BaseException):
-                        dead = dead or isinstance(item, BaseException)
-                        stream = None
+                        pass
                     continue
             # compute chunk `pos` locally
             self._ensure_engine_holds(frags, pos)
@@ -222,7 +224,8 @@ class HybridLoader:
             res.computed_tokens += c
             frags.pop(pos, None)
             pos += 1
-            if (stream is None and not dead and self.streaming and res.replans < self.max_replans
+            if (adaptive and stream is None and not dead and self.streaming
+                    and res.replans < self.max_replans
                     and any(actions[i] == COMPUTE for i in range(pos + 1, n))):
                 actions, stream = self._replan(actions, pos, n, start, res)
         self._ensure_engine_holds(frags, n)
