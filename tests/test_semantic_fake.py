@@ -97,6 +97,21 @@ def test_expiry_and_eviction_leave_no_dangling_index_entries(tmp_path):
     kv2.close()
 
 
+def test_memory_only_store_evicts_without_deadlock_or_dangling_entries(tmp_path):
+    from edgekv.semantic import HashEmbedder, SemanticRouter, VectorIndex
+    from edgekv.store import MemoryStore, TieredStore
+
+    cfg = CacheConfig(chunk_size=64, cache_dir=tmp_path)
+    store = TieredStore(MemoryStore(40_000))  # room for a handful of fragments
+    router = SemanticRouter(HashEmbedder(), VectorIndex(256))
+    kv = EdgeKV(FakeAdapter(), store, cfg, router=router)
+    for i in range(6):
+        kv.generate(f"Document {i}. " + CONTEXT + f"Question {i}?", max_tokens=1)
+    assert store.tiers[0].stats().evictions > 0
+    live = {k.split(".")[0] for k in store.keys()}
+    assert set(router.index.keys()) <= live
+
+
 def test_damaged_index_is_rebuilt_from_the_store(tmp_path):
     kv = make(tmp_path)
     for i in range(3):

@@ -18,8 +18,8 @@ import numpy as np
 
 from .config import CacheConfig
 from .engines.base import EngineCounters, FragmentSpec, KVAdapter
-from .errors import EdgeKVError, EngineError, IncompatibleFragment
-from .fragment import MIN_SPAN, KVFragment, next_expiry
+from .errors import EdgeKVError, EngineError, FragmentError, IncompatibleFragment, StoreError
+from .fragment import MAX_SPAN, MIN_SPAN, KVFragment, next_expiry
 from .keys import ChunkKey, chunk_keys, next_key
 from .lookup import Chunk, ChunkReader
 from .store.base import FragmentStore
@@ -254,7 +254,9 @@ class EdgeKV:
             return None
         end, k0, key = best
         chunk = self.reader.read(key, now, rejections)
-        if chunk is None or chunk.token_start != k0 * c or chunk.head.prefix_len(ids[k0 * c : end]) < end - k0 * c:
+        parent = exact[k0 - 1].chain_key if k0 else ""
+        if (chunk is None or chunk.token_start != k0 * c or chunk.head.parent_key != parent
+                or chunk.head.prefix_len(ids[k0 * c : end]) < end - k0 * c):
             return None
         return exact[:k0] + [chunk], end
 
@@ -298,7 +300,7 @@ class EdgeKV:
             # token by token; a tail shorter than a fragment's minimum span is stored together
             # with the chunk before it (that chunk's KV is then held twice)
             k = len(keys) if tail >= MIN_SPAN else len(keys) - 1
-            if k >= 0:
+            if k >= 0 and len(tokens) - k * c <= MAX_SPAN:
                 parent, start = (keys[k - 1] if k else ""), k * c
                 spans.append((next_key(parent, self.fingerprint, tokens[start:]), parent, start,
                               len(tokens)))
@@ -311,7 +313,7 @@ class EdgeKV:
         now = time.time()
         try:
             frags = self.adapter.extract_fragments(specs)
-        except EngineError as e:
+        except (EngineError, FragmentError) as e:
             log.warning("could not extract KV for caching (%s); nothing stored", e)
             return 0, 0
         route = getattr(self, "_last_route", None)
@@ -320,8 +322,12 @@ class EdgeKV:
             frag = frag.stamped(now, self.config.ttl_s)
             if route is not None and frag.token_end == deepest:
                 frag = replace(frag, embedding=route.embedding)
-            self.store.put(self.reader.store_key(spec.chain_key, spec.layer_start, frag.layer_end),
-                           frag)
+            try:
+                self.store.put(self.reader.store_key(spec.chain_key, spec.layer_start,
+                                                     frag.layer_end), frag)
+            except StoreError as e:  # e.g. disk full: the answer is already computed
+                log.warning("could not store fragment %s (%s)", spec.chain_key[:12], e)
+                return 0, 0
         if route is not None:
             deep_key = next(s.chain_key for s, f in zip(specs, frags) if f.token_end == deepest)
             self.router.index.add(deep_key, route.embedding)  # type: ignore[union-attr]

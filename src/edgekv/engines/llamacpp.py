@@ -161,7 +161,8 @@ class LlamaCppAdapter:
         if state.n_tokens != self.n_tokens:
             raise UnsupportedLayout(f"engine state holds {state.n_tokens} cells for "
                                     f"{self.n_tokens} evaluated tokens (SWA or context shift)")
-        self._v_trans = state.v_trans
+        if state.n_tokens:  # an empty state says nothing about the V layout
+            self._v_trans = state.v_trans
         return state
 
     def read_state_blob(self) -> bytes:
@@ -227,7 +228,8 @@ class LlamaCppAdapter:
         """Learn whether llama.cpp stores V transposed by writing a one-token state."""
         saved = self.token_ids
         self.clear_kv_cache()
-        self._llm.eval([self._llm.token_bos()])
+        bos = self._llm.token_bos()
+        self._llm.eval([bos if bos >= 0 else 0])
         v_trans = self.read_state().v_trans
         self.clear_kv_cache()
         if saved:

@@ -59,7 +59,6 @@ class DiskStore:
         try:
             blob = path.read_bytes()
         except FileNotFoundError:
-            self._forget(key)
             self._stats.misses += 1
             return None
         except OSError as e:
@@ -74,15 +73,19 @@ class DiskStore:
             self._stats.misses += 1
             self.delete(key)
             return None
-        with self._lock:
-            row = self._db.execute(
-                "SELECT hit_count, expires_at FROM entries_v2 WHERE key=?", (key,)
-            ).fetchone()
-            if row is None:  # file without index row: adopt it
-                row = (frag.hit_count, frag.expires_at)
-                self._upsert(key, len(blob), frag, now)
-            self._db.execute("UPDATE entries_v2 SET last_access=? WHERE key=?", (now, key))
-            self._db.commit()
+        try:
+            with self._lock:
+                row = self._db.execute(
+                    "SELECT hit_count, expires_at FROM entries_v2 WHERE key=?", (key,)
+                ).fetchone()
+                if row is None:  # file without index row: adopt it
+                    row = (frag.hit_count, frag.expires_at)
+                    self._upsert(key, len(blob), frag, now)
+                self._db.execute("UPDATE entries_v2 SET last_access=? WHERE key=?", (now, key))
+                self._db.commit()
+        except sqlite3.Error as e:  # e.g. locked by another process for too long
+            log.warning("disk store: index unavailable (%s); using the entry's own lifecycle", e)
+            row = (frag.hit_count, frag.expires_at)
         frag = frag.with_lifecycle(hit_count=int(row[0]), expires_at=float(row[1]))
         if frag.is_expired(now):
             self.delete(key)
@@ -165,8 +168,13 @@ class DiskStore:
         """Entries whose fragment follows the chunk keyed `parent`, with their token ids
         (from the index: no fragment is read)."""
         with self._lock:
-            rows = self._db.execute("SELECT key, tokens FROM entries_v2 WHERE parent=?",
-                                    (parent,)).fetchall()
+            try:
+                rows = self._db.execute(
+                    "SELECT key, tokens FROM entries_v2 WHERE parent=? AND "
+                    "(expires_at <= 0 OR expires_at > ?)", (parent, time.time())).fetchall()
+            except sqlite3.Error as e:
+                log.warning("disk store: index query failed (%s)", e)
+                return []
         return [(k, np.frombuffer(t, dtype="<i4")) for k, t in rows]
 
     def keys(self) -> list[str]:
@@ -192,6 +200,7 @@ class DiskStore:
         try:
             db = sqlite3.connect(path, timeout=30, check_same_thread=False)
             db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: no fsync per access update
             db.executescript(_SCHEMA)
             n_rows = db.execute("SELECT COUNT(*) FROM entries_v2").fetchone()[0]
             db.commit()

@@ -28,11 +28,18 @@ class MemoryStore:
         self._stats = StoreStats(tier="ram", capacity_bytes=capacity_bytes)
         self._listeners: list[Callable[[str], None]] = []
         self._children: dict[str, set[str]] = {}
+        self._removed: list[str] = []
 
     def add_remove_listener(self, fn: Callable[[str], None]) -> None:
         self._listeners.append(fn)
 
     def get(self, key: str, now: float | None = None) -> KVFragment | None:
+        try:
+            return self._get(key, now)
+        finally:
+            self._notify()
+
+    def _get(self, key: str, now: float | None) -> KVFragment | None:
         now = time.time() if now is None else now
         with self._lock:
             frag = self._items.get(key)
@@ -49,6 +56,12 @@ class MemoryStore:
             return frag
 
     def put(self, key: str, fragment: KVFragment) -> None:
+        try:
+            self._put(key, fragment)
+        finally:
+            self._notify()
+
+    def _put(self, key: str, fragment: KVFragment) -> None:
         check_key(key)
         size = fragment.nbytes
         with self._lock:
@@ -87,7 +100,9 @@ class MemoryStore:
 
     def delete(self, key: str) -> bool:
         with self._lock:
-            return self._drop(key)
+            dropped = self._drop(key)
+        self._notify()
+        return dropped
 
     def sweep(self, now: float | None = None) -> int:
         now = time.time() if now is None else now
@@ -96,18 +111,18 @@ class MemoryStore:
             for k in dead:
                 self._drop(k)
             self._stats.expired += len(dead)
-            return len(dead)
+        self._notify()
+        return len(dead)
 
     def clear(self) -> int:
         with self._lock:
             n = len(self._items)
-            for key in self._items:
-                for fn in self._listeners:
-                    fn(key)
+            self._removed.extend(self._items)
             self._items.clear()
             self._children.clear()
             self._bytes = 0
-            return n
+        self._notify()
+        return n
 
     def stats(self) -> StoreStats:
         with self._lock:
@@ -122,6 +137,13 @@ class MemoryStore:
             return False
         self._children.get(frag.parent_key, set()).discard(key)
         self._bytes -= frag.nbytes
-        for fn in self._listeners:
-            fn(key)
+        self._removed.append(key)
         return True
+
+    def _notify(self) -> None:
+        """Tell listeners what left the store; called after the lock is released (a listener
+        may call back into the store)."""
+        while self._removed:
+            key = self._removed.pop()
+            for fn in self._listeners:
+                fn(key)

@@ -64,12 +64,21 @@ class RedisStore:
             log.warning("redis store: entry %s is damaged (%s); removed, treated as a miss", key, e)
             self._stats.corrupt += 1
             self._stats.misses += 1
-            self.delete(key)
+            try:
+                self.delete(key)
+            except StoreError:
+                pass
             return None
         if meta:
-            frag = frag.with_lifecycle(int(meta[b"hit_count"]), float(meta[b"expires_at"]))
+            try:
+                frag = frag.with_lifecycle(int(meta[b"hit_count"]), float(meta[b"expires_at"]))
+            except (KeyError, ValueError) as e:
+                log.warning("redis store: lifecycle of %s is damaged (%s); using the entry's", key, e)
         if frag.is_expired(now):
-            self.delete(key)
+            try:
+                self.delete(key)
+            except StoreError:
+                pass
             self._stats.expired += 1
             self._stats.misses += 1
             return None
@@ -121,7 +130,10 @@ class RedisStore:
             if self.contains(key):  # entries that expired in Redis drop out here
                 out.append((key, np.frombuffer(tok, dtype="<i4")))
             else:
-                self._r.hdel(self._k("children", parent or "_root"), k)
+                try:
+                    self._r.hdel(self._k("children", parent or "_root"), k)
+                except self._errors:
+                    pass
         return out
 
     def add_remove_listener(self, fn: Callable[[str], None]) -> None:

@@ -29,10 +29,12 @@ class TieredStore:
         return None
 
     def add_remove_listener(self, fn: Callable[[str], None]) -> None:
-        """Listen to the last (persistent) tier: leaving RAM does not remove a fragment."""
-        add = getattr(self.tiers[-1], "add_remove_listener", None)
-        if add is not None:
-            add(fn)
+        """Listen to every tier: the listener asks `contains`, which checks them all, so an
+        entry counts as gone only once no tier holds it."""
+        for tier in self.tiers:
+            add = getattr(tier, "add_remove_listener", None)
+            if add is not None:
+                add(fn)
 
     def children(self, parent: str) -> list[tuple[str, object]]:
         """Union over tiers of the entries that follow `parent` (key, token ids)."""

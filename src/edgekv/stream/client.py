@@ -70,7 +70,13 @@ class KVClient:
             conn.close()
         if resp.status != 200:
             raise TransportError(f"KV server {path} answered {resp.status}: {payload[:200]!r}")
-        return json.loads(payload)
+        try:
+            obj = json.loads(payload)
+        except ValueError as e:
+            raise TransportError(f"KV server {path} sent invalid JSON: {e}") from None
+        if not isinstance(obj, dict):
+            raise TransportError(f"KV server {path} sent {type(obj).__name__}, not an object")
+        return obj
 
     def info(self) -> dict[str, Any]:
         return dict(self._call("GET", "/v1/info"))

@@ -56,7 +56,7 @@ class _Stream:
     def __init__(self, client: KVClient, keys: Sequence[tuple[int, str]], codec: str) -> None:
         self.q: queue.Queue[tuple[int, Received] | BaseException | None] = queue.Queue()
         self.pending = [i for i, _ in keys]
-        self.done = False
+        self.cancelled = False  # set when the executor no longer needs this stream
         self.t0 = time.perf_counter()
         self._thread = threading.Thread(target=self._run, args=(client, keys, codec), daemon=True)
         self._thread.start()
@@ -65,6 +65,8 @@ class _Stream:
         try:
             idx = [i for i, _ in keys]
             for n, rec in enumerate(client.stream([k for _, k in keys], codec)):
+                if self.cancelled:
+                    return  # closing the generator closes the connection
                 self.q.put((idx[n], rec))
             self.q.put(None)
         except BaseException as e:  # noqa: BLE001 - handed to the executor
@@ -87,6 +89,10 @@ class HybridLoader:
                     self.server_ok = (f"server model {str(info.get('fingerprint'))[:12]} differs from "
                                       f"this device's {kv.fingerprint[:12]}")
                     log.warning("KV server refused: %s; computing locally", self.server_ok)
+                elif info.get("chunk_size") != kv.config.chunk_size:
+                    self.server_ok = (f"server chunks are {info.get('chunk_size')} tokens, this "
+                                      f"device uses {kv.config.chunk_size}")
+                    log.warning("KV server refused: %s; computing locally", self.server_ok)
             except TransportError as e:
                 self.server_ok = f"server unreachable: {e}"
                 log.warning("KV server unreachable (%s); computing locally", e)
@@ -102,6 +108,7 @@ class HybridLoader:
         if strategy not in ("hybrid", "local", "stream"):
             raise EdgeKVError(f"strategy must be hybrid, local or stream, not {strategy!r}")
         kv, a = self.kv, self.kv.adapter
+        kv._last_route = None  # no embedding of an earlier request may be attached here
         t0 = time.perf_counter()
         tokens = a.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if len(tokens) + max_tokens > a.n_ctx:
@@ -132,7 +139,8 @@ class HybridLoader:
         res.first_logits = logits
         gen = a.generate(logits, max_tokens)
         res.tokens, res.text = gen.tokens, a.detokenize(gen.tokens)
-        if store:
+        # quantized chunks are not this request's exact KV: nothing computed on them is stored
+        if store and (self.codec == "f16" or res.streamed_chunks == 0):
             kv._store_new(tokens, len(local) * c)
         return res
 
@@ -150,8 +158,12 @@ class HybridLoader:
 
     def _verify(self, frag: KVFragment, key: str, i: int, tokens: Sequence[int]) -> None:
         c = self.kv.config.chunk_size
-        n_layer = self.kv.adapter.fingerprint.n_layer
-        self.kv.reader._verify(frag, key, 0, n_layer, None)
+        fp = self.kv.adapter.fingerprint
+        self.kv.reader._verify(frag, key, 0, fp.n_layer, None)
+        if (frag.keys.shape[2], frag.values.shape[2], frag.kv_dtype) != (fp.n_embd_k, fp.n_embd_v, fp.kv_dtype):
+            raise ChunkRejected(f"chunk {i} has KV widths/dtype {frag.keys.shape[2]}/"
+                                f"{frag.values.shape[2]}/{frag.kv_dtype}, the engine "
+                                f"{fp.n_embd_k}/{fp.n_embd_v}/{fp.kv_dtype}")
         if frag.token_start != i * c or not np.array_equal(frag.token_ids, tokens[i * c : (i + 1) * c]):
             raise ChunkRejected(f"chunk {i} does not hold the request's tokens")
 
@@ -165,8 +177,16 @@ class HybridLoader:
         frags: dict[int, KVFragment] = dict(enumerate(local))
         a.clear_kv_cache()
         if local:
-            a.inject_fragments(local)
+            try:
+                a.inject_fragments(local)
+            except (IncompatibleFragment, EdgeKVError) as e:
+                log.warning("local chunks refused (%s); recomputing them", e)
+                a.clear_kv_cache()
+                frags.clear()
+                actions = [COMPUTE if x == "local" else x for x in actions]
+                local = []
         pos = len(local)  # chunks whose KV the engine holds
+        waiting_since: dict[int, float] = {}
         stream: _Stream | None = None
         dead = False
         got: dict[int, KVFragment] = {}
@@ -198,9 +218,19 @@ class HybridLoader:
                 end = pos
                 while end in got:
                     end += 1
-                for i in range(pos, end):
-                    frags[i] = got.pop(i)
-                self._sync(frags, pos, end)
+                run = {i: got.pop(i) for i in range(pos, end)}
+                try:
+                    self._sync({**frags, **run}, pos, end)
+                except (IncompatibleFragment, EdgeKVError) as e:
+                    res.fallback = f"streamed chunks refused by the engine: {e}"
+                    log.warning("%s; computing them locally", res.fallback)
+                    dead = True
+                    if stream is not None:
+                        stream.cancelled = True
+                        stream = None
+                    self._ensure_engine_holds(frags, pos)
+                    continue
+                frags.update(run)
                 res.streamed_chunks += end - pos
                 pos = end
                 continue
@@ -208,8 +238,16 @@ class HybridLoader:
                 ahead = [i for i in stream.pending if i <= pos and i not in got]
                 raw = len(ahead) * c * a.fingerprint.kv_bytes_per_token
                 wait = self.cost.transfer_s(self.cost.wire_bytes(raw))
-                if patient or wait < self.cost.compute_s(pos):
-                    assert self.client is not None
+                assert self.client is not None
+                since = waiting_since.setdefault(pos, time.perf_counter())
+                # how long this chunk may keep the device idle: a trickling server never trips
+                # the per-read timeout, so the wait itself has a deadline
+                budget = (10 if patient else 2) * self.client.timeout_s + 2 * wait
+                if time.perf_counter() - since > budget:
+                    res.fallback = f"chunk {pos} not delivered within {budget:.1f}s"
+                    log.warning("%s; computing the rest locally", res.fallback)
+                    dead, stream.cancelled, stream = True, True, None
+                elif patient or wait < self.cost.compute_s(pos):
                     try:
                         take(stream.q.get(timeout=max(0.05, min(2 * wait + 0.05, self.client.timeout_s))))
                     except queue.Empty:
@@ -228,6 +266,8 @@ class HybridLoader:
                     and res.replans < self.max_replans
                     and any(actions[i] == COMPUTE for i in range(pos + 1, n))):
                 actions, stream = self._replan(actions, pos, n, start, res)
+        if stream is not None:
+            stream.cancelled = True
         self._ensure_engine_holds(frags, n)
         tail = tokens[n * c :]
         res.computed_tokens += len(tail)

@@ -71,8 +71,10 @@ def simulate(actions: Sequence[str], raw_bytes: int, cost: CostModel, *,
 
 
 def _candidates(fixed: Sequence[str], free: list[int], exhaustive_up_to: int):  # type: ignore[no-untyped-def]
+    free_set = set(free)
+
     def build(stream: set[int]) -> tuple[str, ...]:
-        return tuple(a if i not in free else (STREAM if i in stream else COMPUTE)
+        return tuple(a if i not in free_set else (STREAM if i in stream else COMPUTE)
                      for i, a in enumerate(fixed))
 
     if len(free) <= exhaustive_up_to:

@@ -159,6 +159,7 @@ class KVServer:
                     self._json(404, {"error": f"no route {self.path}"})
 
             def do_POST(self) -> None:
+                self._streaming = False
                 try:
                     body = self._body()
                     if self.path == "/v1/session":
@@ -171,12 +172,16 @@ class KVServer:
                         self._stream(body)
                     else:
                         self._json(404, {"error": f"no route {self.path}"})
-                except PermissionError as e:
-                    self._json(403, {"error": str(e)})
-                except (KeyError, ValueError, TypeError, EdgeKVError) as e:
-                    self._json(400, {"error": f"bad request: {e}"})
                 except (BrokenPipeError, ConnectionResetError):
                     pass  # the client went away mid-stream: nothing to answer
+                except Exception as e:  # noqa: BLE001 - answer, never kill the server thread
+                    if getattr(self, "_streaming", False):
+                        log.warning("kv-server: stream aborted: %s", e)
+                        self.close_connection = True  # the body is cut: the client sees it
+                        return
+                    code = 403 if isinstance(e, PermissionError) else (
+                        400 if isinstance(e, (KeyError, ValueError, TypeError, EdgeKVError)) else 500)
+                    self._json(code, {"error": f"{type(e).__name__}: {e}"})
 
             def _stream(self, body: dict[str, Any]) -> None:
                 codec = body.get("codec", "f16")
@@ -189,6 +194,7 @@ class KVServer:
                 self.send_header("Content-Type", "application/octet-stream")
                 self.send_header("Transfer-Encoding", "chunked")
                 self.end_headers()
+                self._streaming = True
                 for frame in itertools.chain([first] if first is not None else [], frames):
                     self.wfile.write(f"{len(frame):x}\r\n".encode() + frame + b"\r\n")
                     self.wfile.flush()
