@@ -109,15 +109,24 @@ def _point(adapter, url, secret, prompt, cold, bw, rtt, base_cost, deadline, max
     out: dict[str, Any] = {"bandwidth_mbps": bw, "rtt_ms": rtt, "ttft_ms": {}, "energy_j": {},
                            "wire_bytes": {}, "chunks": {}, "predicted_ms": {}}
     same = []
+    # one probe transfer per point: the link estimate a device keeps from recent traffic
+    probe_cfg = CacheConfig(cache_dir=root / f"probe-{bw}-{rtt}-{len(prompt)}")
+    probe_kv = EdgeKV(adapter, open_store(probe_cfg), probe_cfg)
+    probe_client = KVClient(url, secret, timeout_s=60, shaper=Shaper(bandwidth_mbps=bw, rtt_ms=rtt))
+    gen = probe_client.stream(probe_kv.chunk_keys(prompt)[:1])
+    probe = next(gen)
+    gen.close()
+    probe_kv.close()
+    link = copy.deepcopy(base_cost)
+    link.observe_rtt(rtt / 1000)
+    link.observe_transfer(probe.wire_bytes, max(1e-4, probe.at_s - rtt / 1000))
+    link.observe_wire_ratio(probe.wire_bytes, probe.fragment.nbytes if probe.fragment else 1)
     for strategy in ("local", "stream", "hybrid"):
         cfg = CacheConfig(cache_dir=root / f"dev-{bw}-{rtt}-{len(prompt)}-{strategy}")
         kv = EdgeKV(adapter, open_store(cfg), cfg)
-        cost = copy.deepcopy(base_cost)
+        cost = copy.deepcopy(link)
         client = KVClient(url, secret, timeout_s=30, shaper=Shaper(bandwidth_mbps=bw, rtt_ms=rtt))
         h = HybridLoader(kv, client, cost)
-        probe = next(iter(client.stream(kv.chunk_keys(prompt)[:1])))  # one chunk: link estimate
-        cost.observe_transfer(probe.wire_bytes, probe.at_s - rtt / 1000)
-        cost.observe_wire_ratio(probe.wire_bytes, probe.fragment.nbytes if probe.fragment else 1)
         n_chunks = (len(prompt) - 1) // 128
         predicted_stream = rtt / 1000 + n_chunks * probe.wire_bytes * 8 / (bw * 1e6)
         out["predicted_ms"][strategy] = None

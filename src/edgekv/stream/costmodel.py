@@ -39,25 +39,30 @@ class CostModel:
     cores: int = 2
     alpha: float = 0.3
     _obs: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=64))
+    _seen: set[str] = field(default_factory=set)  # estimates that have had a real observation
 
     # -- observations ------------------------------------------------------------------
 
-    def _ewma(self, old: float, new: float) -> float:
+    def _ewma(self, name: str, old: float, new: float) -> float:
+        """The first real observation replaces the prior; later ones are averaged in."""
+        if name not in self._seen:
+            self._seen.add(name)
+            return new
         return (1 - self.alpha) * old + self.alpha * new
 
     def observe_rtt(self, seconds: float) -> None:
-        self.rtt_s = self._ewma(self.rtt_s, max(seconds, 0.0))
+        self.rtt_s = self._ewma("rtt", self.rtt_s, max(seconds, 0.0))
 
     def observe_transfer(self, nbytes: int, seconds: float) -> None:
         if seconds > 1e-4 and nbytes > 0:
-            self.bandwidth_Bps = self._ewma(self.bandwidth_Bps, nbytes / seconds)
+            self.bandwidth_Bps = self._ewma("bw", self.bandwidth_Bps, nbytes / seconds)
 
     def observe_wire_ratio(self, wire: int, raw: int) -> None:
         if raw > 0:
-            self.wire_ratio = self._ewma(self.wire_ratio, wire / raw)
+            self.wire_ratio = self._ewma("ratio", self.wire_ratio, wire / raw)
 
     def observe_failure(self, failed: bool) -> None:
-        self.loss = self._ewma(self.loss, 1.0 if failed else 0.0)
+        self.loss = self._ewma("loss", self.loss, 1.0 if failed else 0.0)
 
     def observe_prefill(self, chunk_index: int, seconds: float) -> None:
         self._obs.append((chunk_index, seconds))

@@ -294,10 +294,10 @@ class HybridLoader:
             res.fallback = f"chunk {i} rejected: {e}"
             log.warning("streamed chunk %d rejected (%s); computing it locally", i, e)
             return last_at
-        if last_at == 0.0:
-            self.cost.observe_rtt(rec.at_s)
-        else:
-            self.cost.observe_transfer(rec.wire_bytes, rec.at_s - last_at)
+        # the first chunk's time includes the request's round trip (estimated from the small
+        # calls); later chunks' inter-arrival times are pure transfer
+        gap = rec.at_s - (last_at if last_at else self.cost.rtt_s)
+        self.cost.observe_transfer(rec.wire_bytes, gap)
         self.cost.observe_wire_ratio(rec.wire_bytes, rec.fragment.nbytes)
         got[i] = rec.fragment
         return rec.at_s
