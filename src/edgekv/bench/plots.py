@@ -116,6 +116,11 @@ def write_seed_report(res: dict[str, Any], md_path: Path) -> Path:
             f"{t}: {100 * v['share']:.1f}% of requests, KV hit {100 * v['hit_rate']:.1f}%"
             for t, v in m["hit_rate_by_tier"].items())
             + f"; approximate injections: {m['approximate_requests']}")
+    pf = res["modes"]["edgekv_strict"].get("prefetch")
+    if pf:
+        lines += ["", f"N-gram prefetch (strict mode, top-3 contexts warmed into RAM in the "
+                      f"background): {100 * pf['hit_rate']:.1f}% of {pf['predicted']} predicted "
+                      f"requests hit, {pf['warmed_fragments']} fragment reads."]
     lines += ["", *[f"![{p}]({p})" for p in pngs], ""]
     md_path.write_text("\n".join(lines))
     return md_path

@@ -71,7 +71,11 @@ def run_seed_bench(*, requests: list[Request] | None = None, n_requests: int = 1
         modes["llama_ram_cache"] = LlamaRAMCacheMode(
             str(adapter.model_path), n_ctx, min_reuse, adapter.weight_bytes,
             adapter.fingerprint.kv_bytes_per_token)
-        modes["edgekv_strict"] = EdgeKVMode(edgekv("strict", False), min_reuse, approximate=False)
+        strict = edgekv("strict", False)
+        from ..prefetch import Prefetcher
+
+        strict.prefetcher = Prefetcher(strict.warm_chain)  # n-gram prefetch, hit rate reported
+        modes["edgekv_strict"] = EdgeKVMode(strict, min_reuse, approximate=False)
         modes["edgekv_approx"] = EdgeKVMode(edgekv("approx", True), min_reuse, approximate=True)
         template = adapter.chat_template()
         meter = EnergyMeter()
@@ -96,7 +100,11 @@ def run_seed_bench(*, requests: list[Request] | None = None, n_requests: int = 1
         energy_source = meter.source
         energy_method = meter.stop(0.0, 0.0).method if energy_source == "estimated" else (
             "RAPL or battery probe")
-        return _summarise(reqs, results, energy_source, energy_method, adapter, time.perf_counter() - t0)
+        res = _summarise(reqs, results, energy_source, energy_method, adapter,
+                         time.perf_counter() - t0)
+        strict.prefetcher.drain()  # type: ignore[attr-defined]
+        res["modes"]["edgekv_strict"]["prefetch"] = strict.prefetcher.stats()  # type: ignore[attr-defined]
+        return res
     finally:
         for kv in kvs:
             kv.close()
