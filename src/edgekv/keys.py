@@ -42,6 +42,7 @@ class ModelFingerprint:
     head_dim_v: int
     kv_dtype: str  # "f16" or "f32"
     engine: str  # numerics differ between engines, so strict reuse stays within one
+    rope: str = ""  # RoPE base and dimensions, e.g. "base=100000,dims=64"
 
     @property
     def digest(self) -> str:

@@ -92,6 +92,8 @@ class LlamaCppAdapter:
             head_dim_v=meta("attention.value_length", head_dim),
             kv_dtype=_KV_TYPES[kv_type],
             engine=f"llama.cpp/{self._lib.__version__}",
+            rope=f"base={float(md.get(f'{arch}.rope.freq_base', 10000.0)):g},"
+                 f"dims={meta('rope.dimension_count', head_dim)}",
         )
 
     # -- state ---------------------------------------------------------------------------

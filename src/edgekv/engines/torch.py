@@ -1,0 +1,180 @@
+"""PyTorch adapter over transformers: the same GGUF weights, de-quantized to f32.
+
+KV lives in the model's `DynamicCache` (`[batch, heads, seq, dim]` per layer); fragments are
+converted to and from the canonical layout (`layout.py`: head-major transpose plus the RoPE
+channel-pair permutation of K). Prefill is chunk-aligned like every adapter's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import EngineError, IncompatibleFragment
+from ..fragment import KVFragment
+from ..keys import ModelFingerprint, file_sha256
+from .base import (EngineCounters, FragmentSpec, Generation, aligned_batches, injection_length,
+                   sample_loop)
+from .layout import from_head_major, to_head_major
+from .models import resolve_model
+
+__all__ = ["TorchAdapter"]
+
+log = logging.getLogger(__name__)
+
+
+class TorchAdapter:
+    def __init__(self, model_path: str | Path | None = None, *, n_ctx: int = 2048,
+                 n_threads: int | None = None, memo_dir: Path | None = None) -> None:
+        try:
+            import torch
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+        except ImportError as e:  # pragma: no cover
+            raise EngineError("the torch engine needs torch, transformers, gguf and accelerate: "
+                              "`make setup` installs them") from e
+        self._torch = torch
+        torch.set_num_threads(n_threads or os.cpu_count() or 1)
+        self.model_path = resolve_model(model_path)
+        d, name = str(self.model_path.parent), self.model_path.name
+        log.warning("loading %s into PyTorch (de-quantizing the GGUF, ~20 s)", name)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self._tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
+            self._model = AutoModelForCausalLM.from_pretrained(
+                d, gguf_file=name, dtype=torch.float32).eval()
+        cfg = self._model.config
+        self._n_ctx = n_ctx
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        rope = getattr(cfg, "rope_parameters", None) or {}
+        base = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+        self.fingerprint = ModelFingerprint(
+            file_sha256=file_sha256(self.model_path, memo_dir), architecture=cfg.model_type,
+            n_layer=cfg.num_hidden_layers, n_head_kv=cfg.num_key_value_heads,
+            head_dim_k=head_dim, head_dim_v=head_dim, kv_dtype="f32",
+            engine=f"torch/{torch.__version__.split('+')[0]}", rope=f"base={float(base):g},dims={head_dim}")
+        self.counters = EngineCounters()
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self._model.parameters())
+        self._ids: list[int] = []
+        self._cache: Any = None
+        import inspect
+
+        # transformers renamed `past_key_values` to `cache`; use whichever this version has
+        params = inspect.signature(self._model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self._ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return list(self._ids)
+
+    @property
+    def n_ctx(self) -> int:
+        return self._n_ctx
+
+    @property
+    def eos_token(self) -> int:
+        return int(self._tok.eos_token_id)
+
+    def tokenize(self, text: str, *, add_bos: bool = True) -> list[int]:
+        ids = list(self._tok(text, add_special_tokens=False)["input_ids"])
+        bos = self._tok.bos_token_id
+        if add_bos and getattr(self._tok, "add_bos_token", False) and bos is not None:
+            ids = [bos] + ids
+        return ids
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return str(self._tok.decode(list(tokens), skip_special_tokens=True))
+
+    def clear_kv_cache(self) -> None:
+        self._ids, self._cache = [], None
+
+    def prefill(self, tokens: Sequence[int], *, align: int) -> np.ndarray:
+        torch = self._torch
+        if not tokens:
+            raise EngineError("prefill needs at least one token")
+        if self.n_tokens + len(tokens) > self._n_ctx:
+            raise EngineError(f"{self.n_tokens + len(tokens)} tokens exceed the context ({self._n_ctx})")
+        from transformers import DynamicCache
+
+        toks, base = list(tokens), self.n_tokens
+        logits = None
+        with torch.inference_mode():
+            for lo, hi in aligned_batches(base, len(toks), align):
+                if self._cache is None:
+                    self._cache = DynamicCache()
+                out = self._model(input_ids=torch.tensor([toks[lo - base : hi - base]]),
+                                  use_cache=True, **{self._cache_kw: self._cache})
+                self._cache = (getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+                               or self._cache)
+                self._ids.extend(toks[lo - base : hi - base])
+                self.counters.add_batch(lo, hi)
+                logits = out.logits[0, -1]
+        assert logits is not None
+        return logits.float().numpy().copy()
+
+    def generate(self, logits: np.ndarray, max_tokens: int, *, temperature: float = 0.0,
+                 seed: int = 0, keep_logits: bool = False) -> Generation:
+        return sample_loop(self, logits, max_tokens, temperature=temperature, seed=seed,
+                           keep_logits=keep_logits)
+
+    def extract_fragments(self, specs: Sequence[FragmentSpec]) -> list[KVFragment]:
+        fp = self.fingerprint
+        out = []
+        for s in specs:
+            if s.token_end > self.n_tokens:
+                raise EngineError(f"cannot extract up to {s.token_end}: engine holds {self.n_tokens}")
+            le = fp.n_layer if s.layer_end is None else s.layer_end
+            layers = range(s.layer_start, le, s.layer_stride)
+            ks, vs = [], []
+            for li in layers:
+                layer = self._cache.layers[li]
+                k = layer.keys[0, :, s.token_start : s.token_end].float().numpy()
+                v = layer.values[0, :, s.token_start : s.token_end].float().numpy()
+                ks.append(from_head_major(k, is_key=True))
+                vs.append(from_head_major(v, is_key=False))
+            out.append(KVFragment(
+                model_fingerprint=fp.digest, chain_key=s.chain_key, token_start=s.token_start,
+                token_end=s.token_end, layer_start=s.layer_start, layer_end=le,
+                layer_stride=s.layer_stride, parent_key=s.parent_key, n_layer_model=fp.n_layer,
+                token_ids=np.asarray(self._ids[s.token_start : s.token_end], np.int32),
+                keys=np.stack(ks).astype(np.float32), values=np.stack(vs).astype(np.float32)))
+        return out
+
+    def inject_fragments(self, fragments: Sequence[KVFragment], limit: int | None = None) -> int:
+        torch = self._torch
+        from transformers import DynamicCache
+
+        n = injection_length(fragments, self.fingerprint, limit)
+        if n > self._n_ctx:
+            raise IncompatibleFragment(f"prefix of {n} tokens exceeds the context ({self._n_ctx})")
+        fp = self.fingerprint
+        keys = np.empty((fp.n_layer, n, fp.n_embd_k), np.float32)
+        values = np.empty((fp.n_layer, n, fp.n_embd_v), np.float32)
+        ids = [0] * n
+        for f in fragments:
+            if f.token_start >= n:
+                continue
+            end = min(f.token_end, n)
+            m = end - f.token_start
+            keys[f.layer_start : f.layer_end, f.token_start : end] = f.keys[:, :m]
+            values[f.layer_start : f.layer_end, f.token_start : end] = f.values[:, :m]
+            ids[f.token_start : end] = f.token_ids[:m].tolist()
+        cache = DynamicCache()
+        for li in range(fp.n_layer):
+            k = torch.from_numpy(to_head_major(keys[li], fp.n_head_kv, is_key=True))[None]
+            v = torch.from_numpy(to_head_major(values[li], fp.n_head_kv, is_key=False))[None]
+            cache.update(k, v, li)
+        self._cache, self._ids = cache, ids
+        return n
+
+    def close(self) -> None:
+        self.clear_kv_cache()
