@@ -29,7 +29,7 @@ def open_llamacpp(model: str | Path | None = None, config: CacheConfig | None = 
                   n_ctx: int = 2048, n_threads: int | None = None, semantic: bool = False,
                   prefetch: bool = False, engine: str = "llamacpp",
                   **llama_kwargs: object) -> EdgeKV:
-    """An EdgeKV over an engine (llama.cpp by default, or `engine="torch"`) with the default
+    """An EdgeKV over an engine (llama.cpp by default, `engine="torch"` or `"onnx"`) with the default
     RAM + disk store (model: SmolLM2 by default).
 
     `semantic=True` adds MiniLM + HNSW routing (index kept beside the disk store);
@@ -41,14 +41,18 @@ def open_llamacpp(model: str | Path | None = None, config: CacheConfig | None = 
 
         adapter: KVAdapter = TorchAdapter(model, n_ctx=n_ctx, n_threads=n_threads,
                                           memo_dir=config.cache_dir)
+    elif engine == "onnx":
+        from .engines.onnx import OnnxAdapter
+
+        adapter = OnnxAdapter(model, n_ctx=n_ctx, n_threads=n_threads, memo_dir=config.cache_dir)
     elif engine == "llamacpp":
         from .engines.llamacpp import LlamaCppAdapter
 
         adapter = LlamaCppAdapter(model, n_ctx=n_ctx, n_threads=n_threads,
                                   memo_dir=config.cache_dir, **llama_kwargs)
     else:
-        raise ConfigError(f"engine {engine!r} is not available here: use llamacpp or torch "
-                          "(ONNX Runtime: not implemented yet; MLC-LLM: no package)")
+        raise ConfigError(f"engine {engine!r} is not available here: use llamacpp, torch or "
+                          "onnx (MLC-LLM has no package in the reachable registries)")
     store = open_store(config)
     router = None
     if semantic:

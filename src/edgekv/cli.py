@@ -241,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--system", help="system message for --chat")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--no-semantic", action="store_true", help="exact chain lookup only")
-    g.add_argument("--engine", choices=["llamacpp", "torch"], default="llamacpp",
+    g.add_argument("--engine", choices=["llamacpp", "torch", "onnx"], default="llamacpp",
                    help="inference engine (same GGUF weights; KV caches are kept per engine)")
     g.add_argument("--approximate", action="store_true",
                    help="inject similar prompts' KV even where tokens differ (changes output)")
@@ -256,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks (write JSON)")
     b.add_argument("name", choices=["reuse", "lookup", "seed", "stream", "engines"])
-    b.add_argument("--engines", default="llamacpp,torch", help="engines: which adapters to pair")
+    b.add_argument("--engines", default="llamacpp,torch,onnx", help="engines: which adapters to pair")
     b.add_argument("--bandwidths", default="1,5,20,100,500", help="stream: Mbit/s list")
     b.add_argument("--rtts", default="10,80", help="stream: RTT ms list")
     b.add_argument("--contexts", default="512,1024", help="stream: context token counts")

@@ -22,7 +22,7 @@ from .report import environment, table
 __all__ = ["engines_table", "run_engines_bench"]
 
 
-def _adapters(model: str | None, names: tuple[str, ...]) -> dict[str, Any]:
+def _adapters(model: str | None, names: tuple[str, ...], memo_dir: Any = None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in names:
         if name == "llamacpp":
@@ -33,18 +33,25 @@ def _adapters(model: str | None, names: tuple[str, ...]) -> dict[str, Any]:
             from ..engines.torch import TorchAdapter
 
             out[name] = TorchAdapter(model, n_ctx=2048)
+        elif name == "onnx":
+            from ..engines.onnx import OnnxAdapter
+
+            out[name] = OnnxAdapter(model, n_ctx=2048, memo_dir=memo_dir)
         else:
-            raise ValueError(f"unknown engine {name!r} (available: llamacpp, torch)")
+            raise ValueError(f"unknown engine {name!r} (available: llamacpp, torch, onnx)")
     return out
 
 
-def run_engines_bench(*, model: str | None = None, engines: tuple[str, ...] = ("llamacpp", "torch"),
+def run_engines_bench(*, model: str | None = None,
+                      engines: tuple[str, ...] = ("llamacpp", "torch", "onnx"),
                       prompts: int = 3, context_tokens: int = 256, gen_tokens: int = 32,
                       speed_tokens: int = 512) -> dict[str, Any]:
     from ..engines.base import FragmentSpec
     from ..engines.layout import can_inject, convert_fragment
 
-    ads = _adapters(model, engines)
+    from ..config import default_cache_dir
+
+    ads = _adapters(model, engines, default_cache_dir())
     tokenizer = ads.get("llamacpp") or next(iter(ads.values()))
     c = 128
     cases = []
@@ -110,8 +117,7 @@ def run_engines_bench(*, model: str | None = None, engines: tuple[str, ...] = ("
             a.close()
     return {"bench": "engines", "pairs": pairs, "speed": speed, "context_tokens": context_tokens,
             "gen_tokens": gen_tokens, "prompts": prompts,
-            "engines_missing": {"onnx": "not implemented yet (issue 5)",
-                                "mlc-llm": "no package in the reachable registries"},
+            "engines_missing": {"mlc-llm": "no package in the reachable registries"},
             "environment": environment()}
 
 

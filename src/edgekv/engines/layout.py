@@ -29,10 +29,14 @@ __all__ = ["CROSS_ENGINE_REUSE", "Verdict", "can_inject", "convert_fragment",
 # Cross-engine reuse enabled by default only where `edgekv bench engines` measured 100%
 # greedy agreement on its test prompts (see docs/bench/engines.json); everything else is
 # recomputed. Keys are (source engine family, destination engine family).
-# Measured (docs/bench/engines.json, 3 prompts x 32 greedy tokens): llama.cpp -> torch 100%
-# agreement (max |logit diff| 0.35); torch -> llama.cpp 67.7% (f32 KV rounded to f16 and
-# another kernel's numerics), so it stays off.
-CROSS_ENGINE_REUSE: dict[tuple[str, str], bool] = {("llama.cpp", "torch"): True}
+# Measured (docs/bench/engines.json, 3 prompts x 32 greedy tokens): 100% greedy agreement for
+# llama.cpp -> torch and -> onnxruntime (max |logit diff| 0.35) and between torch and
+# onnxruntime (4e-5); into llama.cpp from the f32 engines 67.7% / 77.1% (f32 KV rounded to
+# f16 and Q4 kernels), so those stay off.
+CROSS_ENGINE_REUSE: dict[tuple[str, str], bool] = {
+    ("llama.cpp", "torch"): True, ("llama.cpp", "onnxruntime"): True,
+    ("torch", "onnxruntime"): True, ("onnxruntime", "torch"): True,
+}
 
 
 def rope_pair_perm(head_dim: int) -> np.ndarray:

@@ -1,0 +1,215 @@
+"""ONNX Runtime adapter: the same weights exported once to ONNX with explicit KV inputs/outputs.
+
+The graph takes `input_ids [1, t]`, `past_keys/past_values [layers, 1, heads, p, dim]` and
+returns the last position's logits and `present_keys/present_values [layers, 1, heads, p+t,
+dim]`. It is exported from the transformers model (GGUF de-quantized, eager attention) at
+first use, with a progress message, and cached under the cache directory (outside git); after
+that only onnxruntime and the tokenizer run. KV fragments convert through the same canonical
+layout as the torch adapter (head-major, RoPE channel-pair permutation of K).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import EngineError, IncompatibleFragment
+from ..fragment import KVFragment
+from ..keys import ModelFingerprint, file_sha256
+from .base import (EngineCounters, FragmentSpec, Generation, aligned_batches, injection_length,
+                   sample_loop)
+from .layout import from_head_major, to_head_major
+from .models import resolve_model
+
+__all__ = ["OnnxAdapter", "export_onnx"]
+
+log = logging.getLogger(__name__)
+
+
+def export_onnx(model_path: Path, out: Path) -> dict[str, Any]:
+    """Export the GGUF's model with explicit past/present KV; return its shape facts."""
+    import torch
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    log.warning("exporting %s to ONNX with KV inputs (once, ~40 s): %s", model_path.name, out)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_pretrained(
+            str(model_path.parent), gguf_file=model_path.name, dtype=torch.float32,
+            attn_implementation="eager").eval()
+    cfg = model.config
+    n_layer, n_kv = cfg.num_hidden_layers, cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+    class Step(torch.nn.Module):
+        def __init__(self, m: Any) -> None:
+            super().__init__()
+            self.m = m
+
+        def forward(self, input_ids: Any, past_keys: Any, past_values: Any) -> Any:
+            cache = DynamicCache()
+            for li in range(n_layer):
+                cache.update(past_keys[li], past_values[li], li)
+            p, t = past_keys.shape[3], input_ids.shape[1]
+            pos = torch.arange(t, dtype=torch.long)[None] + p
+            mask = torch.ones((1, p + t), dtype=torch.long)
+            o = self.m(input_ids=input_ids, position_ids=pos, attention_mask=mask, cache=cache,
+                       use_cache=True)
+            return (o.logits[:, -1], torch.stack([cache.layers[i].keys for i in range(n_layer)]),
+                    torch.stack([cache.layers[i].values for i in range(n_layer)]))
+
+    ex = (torch.tensor([[1, 2, 3]]), torch.zeros(n_layer, 1, n_kv, 4, head_dim),
+          torch.zeros(n_layer, 1, n_kv, 4, head_dim))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            Step(model).eval(), ex, str(tmp), input_names=["input_ids", "past_keys", "past_values"],
+            output_names=["logits", "present_keys", "present_values"],
+            dynamic_axes={"input_ids": {1: "t"}, "past_keys": {3: "p"}, "past_values": {3: "p"},
+                          "present_keys": {3: "pt"}, "present_values": {3: "pt"}},
+            opset_version=17, dynamo=False)
+    os.replace(tmp, out)
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    return {"model_type": cfg.model_type, "n_layer": n_layer, "n_head_kv": n_kv,
+            "head_dim": head_dim, "rope_theta": rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))}
+
+
+class OnnxAdapter:
+    def __init__(self, model_path: str | Path | None = None, *, n_ctx: int = 2048,
+                 n_threads: int | None = None, memo_dir: Path | None = None) -> None:
+        try:
+            import onnxruntime as ort
+            from transformers import AutoTokenizer
+        except ImportError as e:  # pragma: no cover
+            raise EngineError("the onnx engine needs onnxruntime and transformers") from e
+        import json
+
+        self.model_path = resolve_model(model_path)
+        sha = file_sha256(self.model_path, memo_dir)
+        root = Path(memo_dir) if memo_dir else Path.home() / ".cache" / "edgekv"
+        onnx_path = root / "models" / f"{sha[:16]}-kv.onnx"
+        meta_path = onnx_path.with_suffix(".json")
+        if not onnx_path.is_file() or not meta_path.is_file():
+            meta_path.parent.mkdir(parents=True, exist_ok=True)
+            meta_path.write_text(json.dumps(export_onnx(self.model_path, onnx_path)))
+        meta = json.loads(meta_path.read_text())
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = n_threads or os.cpu_count() or 1
+        so.log_severity_level = 3
+        self._sess = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self._tok = AutoTokenizer.from_pretrained(str(self.model_path.parent),
+                                                      gguf_file=self.model_path.name)
+        d = int(meta["head_dim"])
+        self.fingerprint = ModelFingerprint(
+            file_sha256=sha, architecture=meta["model_type"], n_layer=int(meta["n_layer"]),
+            n_head_kv=int(meta["n_head_kv"]), head_dim_k=d, head_dim_v=d, kv_dtype="f32",
+            engine=f"onnxruntime/{ort.__version__}", rope=f"base={float(meta['rope_theta']):g},dims={d}")
+        self._n_ctx = n_ctx
+        self.counters = EngineCounters()
+        self.weight_bytes = onnx_path.stat().st_size
+        self.clear_kv_cache()
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self._ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return list(self._ids)
+
+    @property
+    def n_ctx(self) -> int:
+        return self._n_ctx
+
+    @property
+    def eos_token(self) -> int:
+        return int(self._tok.eos_token_id)
+
+    def tokenize(self, text: str, *, add_bos: bool = True) -> list[int]:
+        ids = list(self._tok(text, add_special_tokens=False)["input_ids"])
+        bos = self._tok.bos_token_id
+        if add_bos and getattr(self._tok, "add_bos_token", False) and bos is not None:
+            ids = [bos] + ids
+        return ids
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return str(self._tok.decode(list(tokens), skip_special_tokens=True))
+
+    def clear_kv_cache(self) -> None:
+        fp = self.fingerprint
+        self._ids: list[int] = []
+        shape = (fp.n_layer, 1, fp.n_head_kv, 0, fp.head_dim_k)
+        self._k = np.zeros(shape, np.float32)
+        self._v = np.zeros(shape, np.float32)
+
+    def prefill(self, tokens: Sequence[int], *, align: int) -> np.ndarray:
+        if not tokens:
+            raise EngineError("prefill needs at least one token")
+        if self.n_tokens + len(tokens) > self._n_ctx:
+            raise EngineError(f"{self.n_tokens + len(tokens)} tokens exceed the context ({self._n_ctx})")
+        toks, base = list(tokens), self.n_tokens
+        logits = None
+        for lo, hi in aligned_batches(base, len(toks), align):
+            logits, self._k, self._v = self._sess.run(None, {
+                "input_ids": np.array([toks[lo - base : hi - base]], np.int64),
+                "past_keys": self._k, "past_values": self._v})
+            self._ids.extend(toks[lo - base : hi - base])
+            self.counters.add_batch(lo, hi)
+        assert logits is not None
+        return np.asarray(logits[0], np.float32).copy()
+
+    def generate(self, logits: np.ndarray, max_tokens: int, *, temperature: float = 0.0,
+                 seed: int = 0, keep_logits: bool = False) -> Generation:
+        return sample_loop(self, logits, max_tokens, temperature=temperature, seed=seed,
+                           keep_logits=keep_logits)
+
+    def extract_fragments(self, specs: Sequence[FragmentSpec]) -> list[KVFragment]:
+        fp = self.fingerprint
+        out = []
+        for s in specs:
+            if s.token_end > self.n_tokens:
+                raise EngineError(f"cannot extract up to {s.token_end}: engine holds {self.n_tokens}")
+            le = fp.n_layer if s.layer_end is None else s.layer_end
+            tok = slice(s.token_start, s.token_end)
+            layers = range(s.layer_start, le, s.layer_stride)
+            out.append(KVFragment(
+                model_fingerprint=fp.digest, chain_key=s.chain_key, token_start=s.token_start,
+                token_end=s.token_end, layer_start=s.layer_start, layer_end=le,
+                layer_stride=s.layer_stride, parent_key=s.parent_key, n_layer_model=fp.n_layer,
+                token_ids=np.asarray(self._ids[tok], np.int32),
+                keys=np.stack([from_head_major(self._k[li, 0, :, tok], is_key=True) for li in layers]),
+                values=np.stack([from_head_major(self._v[li, 0, :, tok], is_key=False) for li in layers])))
+        return out
+
+    def inject_fragments(self, fragments: Sequence[KVFragment], limit: int | None = None) -> int:
+        n = injection_length(fragments, self.fingerprint, limit)
+        if n > self._n_ctx:
+            raise IncompatibleFragment(f"prefix of {n} tokens exceeds the context ({self._n_ctx})")
+        fp = self.fingerprint
+        k = np.empty((fp.n_layer, 1, fp.n_head_kv, n, fp.head_dim_k), np.float32)
+        v = np.empty_like(k)
+        ids = [0] * n
+        for f in fragments:
+            if f.token_start >= n:
+                continue
+            end = min(f.token_end, n)
+            m = end - f.token_start
+            for i, li in enumerate(f.layer_indices):
+                k[li, 0, :, f.token_start : end] = to_head_major(f.keys[i, :m], fp.n_head_kv, is_key=True)
+                v[li, 0, :, f.token_start : end] = to_head_major(f.values[i, :m], fp.n_head_kv, is_key=False)
+            ids[f.token_start : end] = f.token_ids[:m].tolist()
+        self._k, self._v, self._ids = k, v, ids
+        return n
+
+    def close(self) -> None:
+        self.clear_kv_cache()
