@@ -35,24 +35,11 @@ def open_llamacpp(model: str | Path | None = None, config: CacheConfig | None = 
     `semantic=True` adds MiniLM + HNSW routing (index kept beside the disk store);
     `prefetch=True` adds the n-gram prefetcher that warms predicted contexts into RAM.
     """
+    from .engines import open_adapter
+
     config = config or CacheConfig.from_env()
-    if engine == "torch":
-        from .engines.torch import TorchAdapter
-
-        adapter: KVAdapter = TorchAdapter(model, n_ctx=n_ctx, n_threads=n_threads,
-                                          memo_dir=config.cache_dir)
-    elif engine == "onnx":
-        from .engines.onnx import OnnxAdapter
-
-        adapter = OnnxAdapter(model, n_ctx=n_ctx, n_threads=n_threads, memo_dir=config.cache_dir)
-    elif engine == "llamacpp":
-        from .engines.llamacpp import LlamaCppAdapter
-
-        adapter = LlamaCppAdapter(model, n_ctx=n_ctx, n_threads=n_threads,
-                                  memo_dir=config.cache_dir, **llama_kwargs)
-    else:
-        raise ConfigError(f"engine {engine!r} is not available here: use llamacpp, torch or "
-                          "onnx (MLC-LLM has no package in the reachable registries)")
+    adapter = open_adapter(engine, model, n_ctx=n_ctx, n_threads=n_threads,
+                           memo_dir=config.cache_dir, **llama_kwargs)
     store = open_store(config)
     router = None
     if semantic:

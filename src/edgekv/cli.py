@@ -127,7 +127,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if reqs is not None and args.requests:
             reqs = reqs[: args.requests]
         res = run_seed_bench(requests=reqs, n_requests=args.requests or 1000, seed=args.seed,
-                             model=args.model, n_ctx=args.n_ctx, max_tokens=args.max_tokens)
+                             model=args.model, n_ctx=args.n_ctx, max_tokens=args.max_tokens,
+                             engine=args.engine)
         print(seed_table(res))
         path = write_json(args.json or "bench-out/seed.json", res)
         md = write_seed_report(res, path.with_suffix(".md"))
@@ -174,7 +175,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         res = run_reuse_bench(model=args.model, runs=args.runs, context_tokens=args.context_tokens,
                               max_tokens=args.max_tokens, chunk_size=args.chunk_size or 128,
-                              n_ctx=args.n_ctx, progress=progress)
+                              n_ctx=args.n_ctx, progress=progress, engine=args.engine)
         text = reuse_table(res)
     print(text)
     if args.json:
@@ -257,6 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks (write JSON)")
     b.add_argument("name", choices=["reuse", "lookup", "seed", "stream", "engines"])
     b.add_argument("--engines", default="llamacpp,torch,onnx", help="engines: which adapters to pair")
+    b.add_argument("--engine", choices=["llamacpp", "torch", "onnx"], default="llamacpp",
+                   help="reuse/seed: the engine under test (LlamaRAMCache only with llamacpp)")
     b.add_argument("--bandwidths", default="1,5,20,100,500", help="stream: Mbit/s list")
     b.add_argument("--rtts", default="10,80", help="stream: RTT ms list")
     b.add_argument("--contexts", default="512,1024", help="stream: context token counts")

@@ -37,15 +37,16 @@ def build_context(kv: EdgeKV, context_tokens: int) -> list[int]:
 
 def run_reuse_bench(*, model: str | None = None, runs: int = 5, context_tokens: int = 512,
                     max_tokens: int = 16, chunk_size: int = 128, n_ctx: int = 2048,
-                    cache_dir: Path | None = None, progress: Any = None) -> dict[str, Any]:
-    from ..engines.llamacpp import LlamaCppAdapter
+                    cache_dir: Path | None = None, progress: Any = None,
+                    engine: str = "llamacpp") -> dict[str, Any]:
+    from ..engines import open_adapter
 
     tmp = None
     if cache_dir is None:
         tmp = tempfile.TemporaryDirectory(prefix="edgekv-bench-")
         cache_dir = Path(tmp.name)
     cfg = CacheConfig(chunk_size=chunk_size, cache_dir=cache_dir)
-    adapter = LlamaCppAdapter(model, n_ctx=n_ctx, memo_dir=cache_dir)
+    adapter = open_adapter(engine, model, n_ctx=n_ctx, memo_dir=cache_dir)
     store = open_store(cfg)
     kv = EdgeKV(adapter, store, cfg)
     try:
@@ -97,7 +98,8 @@ def run_reuse_bench(*, model: str | None = None, runs: int = 5, context_tokens: 
             },
             "ttft_ms": {m: [round(g.ttft_s * 1000, 3) for g in gs]
                         for m, gs in (("cold", cold), ("warm", warm), ("warm_disk", disk))},
-            "model": str(adapter.model_path.name),
+            "model": str(adapter.model_path.name),  # type: ignore[attr-defined]
+            "engine": adapter.fingerprint.engine,
             "environment": environment(),
         }
         return result

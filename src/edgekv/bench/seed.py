@@ -41,16 +41,17 @@ def _progress(i: int, n: int, t0: float) -> None:
 
 def run_seed_bench(*, requests: list[Request] | None = None, n_requests: int = 1000,
                    seed: int = 0, model: str | None = None, n_ctx: int = 2048,
-                   max_tokens: int = 16, progress: bool = True) -> dict[str, Any]:
+                   max_tokens: int = 16, progress: bool = True,
+                   engine: str = "llamacpp") -> dict[str, Any]:
     from .. import open_router
-    from ..engines.llamacpp import LlamaCppAdapter
+    from ..engines import open_adapter
     from ..semantic import MiniLMEmbedder
 
     reqs = requests if requests is not None else seed_workload(n_requests, seed=seed,
                                                                 max_tokens=max_tokens)
     tmp = tempfile.TemporaryDirectory(prefix="edgekv-seed-")
     root = Path(tmp.name)
-    adapter = LlamaCppAdapter(model, n_ctx=n_ctx, memo_dir=root)
+    adapter = open_adapter(engine, model, n_ctx=n_ctx, memo_dir=root)
     embedder = MiniLMEmbedder(root)
     min_reuse = CacheConfig().min_reuse_tokens
     kvs = []
@@ -68,16 +69,23 @@ def run_seed_bench(*, requests: list[Request] | None = None, n_requests: int = 1
         kvs.append(plain)
         modes["nocache"] = NoCacheMode(plain, min_reuse)
         modes["string"] = StringMode(plain, min_reuse)
-        modes["llama_ram_cache"] = LlamaRAMCacheMode(
-            str(adapter.model_path), n_ctx, min_reuse, adapter.weight_bytes,
-            adapter.fingerprint.kv_bytes_per_token)
+        if engine == "llamacpp":  # llama-cpp-python's own cache exists for llama.cpp only
+            modes["llama_ram_cache"] = LlamaRAMCacheMode(
+                str(adapter.model_path), n_ctx, min_reuse, adapter.weight_bytes,
+                adapter.fingerprint.kv_bytes_per_token)
         strict = edgekv("strict", False)
         from ..prefetch import Prefetcher
 
         strict.prefetcher = Prefetcher(strict.warm_chain)  # n-gram prefetch, hit rate reported
         modes["edgekv_strict"] = EdgeKVMode(strict, min_reuse, approximate=False)
         modes["edgekv_approx"] = EdgeKVMode(edgekv("approx", True), min_reuse, approximate=True)
-        template = adapter.chat_template()
+        template = getattr(adapter, "chat_template", lambda: None)()
+        if template is None:
+            from ..engines.llamacpp import LlamaCppAdapter
+
+            probe = LlamaCppAdapter(model, n_ctx=64)
+            template = probe.chat_template()
+            probe.close()
         meter = EnergyMeter()
         results: dict[str, list[tuple[Outcome, float, float]]] = defaultdict(list)
         t0 = time.perf_counter()
@@ -87,7 +95,8 @@ def run_seed_bench(*, requests: list[Request] | None = None, n_requests: int = 1
             if len(tokens) + req.max_tokens > n_ctx:
                 raise ValueError(f"request {i} needs {len(tokens) + req.max_tokens} tokens; "
                                  f"raise --n-ctx above {n_ctx}")
-            order = MODES[i % len(MODES):] + MODES[: i % len(MODES)]
+            names = tuple(m for m in MODES if m in modes)
+            order = names[i % len(names):] + names[: i % len(names)]
             for name in order:
                 meter.start()
                 c0 = time.process_time()
@@ -124,7 +133,7 @@ def _summarise(reqs: list[Request], results: dict[str, list[tuple[Outcome, float
     base = results["nocache"]
     base_traffic = sum(o.traffic_bytes for o, _, _ in base) or 1
     out: dict[str, Any] = {}
-    for name in MODES:
+    for name in [m for m in MODES if results.get(m)]:
         rows = results[name]
         ttft = [o.ttft_s * 1000 for o, _, _ in rows]
         same = [o.text == b.text for (o, _, _), (b, _, _) in zip(rows, base)]
@@ -156,7 +165,7 @@ def _summarise(reqs: list[Request], results: dict[str, list[tuple[Outcome, float
             "reused_per_request": [o.reused for o, _, _ in rows],
         }
     nc = out["nocache"]["ttft_ms_mean"]
-    for name in MODES:
+    for name in out:
         out[name]["ttft_speedup_vs_nocache"] = round(nc / out[name]["ttft_ms_mean"], 3)
     return {
         "bench": "seed",
@@ -172,6 +181,7 @@ def _summarise(reqs: list[Request], results: dict[str, list[tuple[Outcome, float
                                  "KV read for every attended cell; plus KV bytes the cache reads "
                                  "and writes (fragments or llama states). Counted, not sampled."),
         "model": adapter.model_path.name,
+        "engine": adapter.fingerprint.engine,
         "wall_s": round(wall, 1),
         "modes": out,
         "environment": environment(),
