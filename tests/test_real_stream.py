@@ -210,3 +210,36 @@ def test_two_servers_share_one_redis(adapter, tmp_path, redis_url, prompt, cold)
     finally:
         for p in (a_proc, b_proc):
             stop(p)
+
+
+def test_tc_netem_link_to_a_server_in_a_namespace(adapter, tmp_path, prompt, cold):
+    """The real thing where the kernel allows: the server runs in a network namespace behind a
+    veth pair shaped by `tc netem` (40 ms RTT, 200 Mbit/s); the device streams across it."""
+    from edgekv.stream.netem import NetnsLink, netns_available
+
+    why = netns_available()
+    if why is not None:
+        pytest.skip(f"tc netem unavailable here: {why}")
+    with NetnsLink(11, delay_ms=40, rate_mbit=200) as link:
+        tmp = tmp_path / "ns"
+        tmp.mkdir()
+        log = open(tmp / "server.log", "w")  # noqa: SIM115
+        proc = subprocess.Popen(
+            [*link.exec_prefix(), sys.executable, "-m", "edgekv", "kv-server", "--host",
+             link.ns_ip, "--port", "0", "--cache-dir", str(tmp), "--secret-file",
+             str(tmp / "secret")], stdout=subprocess.PIPE, stderr=log, text=True, env=ENV)
+        try:
+            url = proc.stdout.readline().split("listening on ")[1].split()[0]  # type: ignore[union-attr]
+            secret = bytes.fromhex((tmp / "secret").read_text())
+            KVClient(url, secret, timeout_s=120).precompute(prompt)
+            t = time.perf_counter()
+            r = loader(adapter, tmp_path, url, secret).generate(prompt, max_tokens=8,
+                                                                strategy="stream")
+            assert time.perf_counter() - t >= 0.04  # at least one shaped round trip
+            assert r.streamed_chunks == 4 and r.fallback is None
+            check(r, cold)
+        finally:
+            proc.kill()
+            proc.wait()
+            proc.stdout.close()  # type: ignore[union-attr]
+            log.close()

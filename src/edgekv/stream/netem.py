@@ -61,15 +61,20 @@ class Shaper:
                 time.sleep(wait)
 
 
-def netns_available() -> bool:
+def netns_available() -> str | None:
+    """None if namespaces, veth and the netem qdisc all work here, else why not."""
     if shutil.which("ip") is None or shutil.which("tc") is None:
-        return False
+        return "ip/tc not installed (Debian package iproute2)"
     try:
-        subprocess.run(["ip", "netns", "add", "ekv-probe"], check=True, capture_output=True)
-        subprocess.run(["ip", "netns", "del", "ekv-probe"], check=True, capture_output=True)
-        return True
-    except (OSError, subprocess.CalledProcessError):
-        return False
+        with NetnsLink(250):
+            return None
+    except PermissionError:
+        return "not root"
+    except subprocess.CalledProcessError as e:
+        err = (e.stderr or b"").decode(errors="replace").strip()
+        return f"{' '.join(e.cmd[:4])}... failed: {err or e}"
+    except OSError as e:
+        return str(e)
 
 
 class NetnsLink:
