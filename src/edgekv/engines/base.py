@@ -23,7 +23,7 @@ from ..fragment import KVFragment
 from ..keys import ModelFingerprint
 
 __all__ = ["EngineCounters", "FragmentSpec", "Generation", "KVAdapter", "aligned_batches", "check_injectable",
-           "injection_length", "sample_loop"]
+           "injection_length", "sample_loop", "stack_prefix"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,3 +209,21 @@ def check_injectable(fragments: Sequence[KVFragment], fp: ModelFingerprint) -> i
                 f"tokens [{lo}, {hi}) lack layers {sorted(missing)[:5]}...; every layer is needed")
         pos = hi
     return pos
+
+
+def stack_prefix(fragments: Sequence[KVFragment], fp: ModelFingerprint, n: int,
+                 dtype: type = np.float32) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """Canonical keys/values [layer, token, width] and token ids of positions [0, n) from
+    fragments that `check_injectable` accepted (cut at `n`)."""
+    keys = np.empty((fp.n_layer, n, fp.n_embd_k), dtype)
+    values = np.empty((fp.n_layer, n, fp.n_embd_v), dtype)
+    ids = [0] * n
+    for f in fragments:
+        if f.token_start >= n:
+            continue
+        end = min(f.token_end, n)
+        m = end - f.token_start
+        keys[f.layer_start : f.layer_end, f.token_start : end] = f.keys[:, :m]
+        values[f.layer_start : f.layer_end, f.token_start : end] = f.values[:, :m]
+        ids[f.token_start : end] = f.token_ids[:m].tolist()
+    return keys, values, ids

@@ -16,7 +16,8 @@ import numpy as np
 from ..errors import EngineError
 from ..fragment import KVFragment
 from ..keys import ModelFingerprint
-from .base import EngineCounters, FragmentSpec, Generation, aligned_batches, injection_length, sample_loop
+from .base import (EngineCounters, FragmentSpec, Generation, aligned_batches, injection_length,
+                   sample_loop, stack_prefix)
 
 __all__ = ["FakeAdapter"]
 
@@ -113,18 +114,7 @@ class FakeAdapter:
 
     def inject_fragments(self, fragments: Sequence[KVFragment], limit: int | None = None) -> int:
         n = injection_length(fragments, self.fingerprint, limit)
-        fp = self.fingerprint
-        k = np.empty((fp.n_layer, n, fp.n_embd_k), np.float16)
-        v = np.empty((fp.n_layer, n, fp.n_embd_v), np.float16)
-        ids = [0] * n
-        for f in fragments:
-            if f.token_start >= n:
-                continue
-            end = min(f.token_end, n)
-            m = end - f.token_start
-            k[f.layer_start : f.layer_end, f.token_start : end] = f.keys[:, :m]
-            v[f.layer_start : f.layer_end, f.token_start : end] = f.values[:, :m]
-            ids[f.token_start : end] = f.token_ids[:m].tolist()
+        k, v, ids = stack_prefix(fragments, self.fingerprint, n, np.float16)
         self.clear_kv_cache()
         self._ids = ids
         # the prefix hash chain is recomputed from the token ids (cheap, no KV involved)

@@ -22,8 +22,8 @@ import numpy as np
 from ..errors import EngineError, IncompatibleFragment
 from ..fragment import KVFragment
 from ..keys import ModelFingerprint, file_sha256
-from .base import (EngineCounters, FragmentSpec, Generation, aligned_batches, injection_length,
-                   sample_loop)
+from .base import EngineCounters, FragmentSpec, aligned_batches, injection_length, stack_prefix
+from .hf import HFTokenizerAdapter
 from .layout import from_head_major, to_head_major
 from .models import resolve_model
 
@@ -82,7 +82,7 @@ def export_onnx(model_path: Path, out: Path) -> dict[str, Any]:
             "head_dim": head_dim, "rope_theta": rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))}
 
 
-class OnnxAdapter:
+class OnnxAdapter(HFTokenizerAdapter):
     def __init__(self, model_path: str | Path | None = None, *, n_ctx: int = 2048,
                  n_threads: int | None = None, memo_dir: Path | None = None) -> None:
         try:
@@ -119,32 +119,6 @@ class OnnxAdapter:
         self.weight_bytes = onnx_path.stat().st_size
         self.clear_kv_cache()
 
-    @property
-    def n_tokens(self) -> int:
-        return len(self._ids)
-
-    @property
-    def token_ids(self) -> list[int]:
-        return list(self._ids)
-
-    @property
-    def n_ctx(self) -> int:
-        return self._n_ctx
-
-    @property
-    def eos_token(self) -> int:
-        return int(self._tok.eos_token_id)
-
-    def tokenize(self, text: str, *, add_bos: bool = True) -> list[int]:
-        ids = list(self._tok(text, add_special_tokens=False)["input_ids"])
-        bos = self._tok.bos_token_id
-        if add_bos and getattr(self._tok, "add_bos_token", False) and bos is not None:
-            ids = [bos] + ids
-        return ids
-
-    def detokenize(self, tokens: Sequence[int]) -> str:
-        return str(self._tok.decode(list(tokens), skip_special_tokens=True))
-
     def clear_kv_cache(self) -> None:
         fp = self.fingerprint
         self._ids: list[int] = []
@@ -167,11 +141,6 @@ class OnnxAdapter:
             self.counters.add_batch(lo, hi)
         assert logits is not None
         return np.asarray(logits[0], np.float32).copy()
-
-    def generate(self, logits: np.ndarray, max_tokens: int, *, temperature: float = 0.0,
-                 seed: int = 0, keep_logits: bool = False) -> Generation:
-        return sample_loop(self, logits, max_tokens, temperature=temperature, seed=seed,
-                           keep_logits=keep_logits)
 
     def extract_fragments(self, specs: Sequence[FragmentSpec]) -> list[KVFragment]:
         fp = self.fingerprint
@@ -196,19 +165,10 @@ class OnnxAdapter:
         if n > self._n_ctx:
             raise IncompatibleFragment(f"prefix of {n} tokens exceeds the context ({self._n_ctx})")
         fp = self.fingerprint
-        k = np.empty((fp.n_layer, 1, fp.n_head_kv, n, fp.head_dim_k), np.float32)
-        v = np.empty_like(k)
-        ids = [0] * n
-        for f in fragments:
-            if f.token_start >= n:
-                continue
-            end = min(f.token_end, n)
-            m = end - f.token_start
-            for i, li in enumerate(f.layer_indices):
-                k[li, 0, :, f.token_start : end] = to_head_major(f.keys[i, :m], fp.n_head_kv, is_key=True)
-                v[li, 0, :, f.token_start : end] = to_head_major(f.values[i, :m], fp.n_head_kv, is_key=False)
-            ids[f.token_start : end] = f.token_ids[:m].tolist()
-        self._k, self._v, self._ids = k, v, ids
+        keys, values, ids = stack_prefix(fragments, fp, n)
+        k = np.stack([to_head_major(keys[li], fp.n_head_kv, is_key=True) for li in range(fp.n_layer)])
+        v = np.stack([to_head_major(values[li], fp.n_head_kv, is_key=False) for li in range(fp.n_layer)])
+        self._k, self._v, self._ids = k[:, None], v[:, None], ids
         return n
 
     def close(self) -> None:

@@ -19,8 +19,8 @@ import numpy as np
 from ..errors import EngineError, IncompatibleFragment
 from ..fragment import KVFragment
 from ..keys import ModelFingerprint, file_sha256
-from .base import (EngineCounters, FragmentSpec, Generation, aligned_batches, injection_length,
-                   sample_loop)
+from .base import EngineCounters, FragmentSpec, aligned_batches, injection_length, stack_prefix
+from .hf import HFTokenizerAdapter
 from .layout import from_head_major, to_head_major
 from .models import resolve_model
 
@@ -29,7 +29,7 @@ __all__ = ["TorchAdapter"]
 log = logging.getLogger(__name__)
 
 
-class TorchAdapter:
+class TorchAdapter(HFTokenizerAdapter):
     def __init__(self, model_path: str | Path | None = None, *, n_ctx: int = 2048,
                  n_threads: int | None = None, memo_dir: Path | None = None) -> None:
         try:
@@ -68,32 +68,6 @@ class TorchAdapter:
         params = inspect.signature(self._model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
 
-    @property
-    def n_tokens(self) -> int:
-        return len(self._ids)
-
-    @property
-    def token_ids(self) -> list[int]:
-        return list(self._ids)
-
-    @property
-    def n_ctx(self) -> int:
-        return self._n_ctx
-
-    @property
-    def eos_token(self) -> int:
-        return int(self._tok.eos_token_id)
-
-    def tokenize(self, text: str, *, add_bos: bool = True) -> list[int]:
-        ids = list(self._tok(text, add_special_tokens=False)["input_ids"])
-        bos = self._tok.bos_token_id
-        if add_bos and getattr(self._tok, "add_bos_token", False) and bos is not None:
-            ids = [bos] + ids
-        return ids
-
-    def detokenize(self, tokens: Sequence[int]) -> str:
-        return str(self._tok.decode(list(tokens), skip_special_tokens=True))
-
     def clear_kv_cache(self) -> None:
         self._ids, self._cache = [], None
 
@@ -120,11 +94,6 @@ class TorchAdapter:
                 logits = out.logits[0, -1]
         assert logits is not None
         return logits.float().numpy().copy()
-
-    def generate(self, logits: np.ndarray, max_tokens: int, *, temperature: float = 0.0,
-                 seed: int = 0, keep_logits: bool = False) -> Generation:
-        return sample_loop(self, logits, max_tokens, temperature=temperature, seed=seed,
-                           keep_logits=keep_logits)
 
     def extract_fragments(self, specs: Sequence[FragmentSpec]) -> list[KVFragment]:
         fp = self.fingerprint
@@ -157,17 +126,7 @@ class TorchAdapter:
         if n > self._n_ctx:
             raise IncompatibleFragment(f"prefix of {n} tokens exceeds the context ({self._n_ctx})")
         fp = self.fingerprint
-        keys = np.empty((fp.n_layer, n, fp.n_embd_k), np.float32)
-        values = np.empty((fp.n_layer, n, fp.n_embd_v), np.float32)
-        ids = [0] * n
-        for f in fragments:
-            if f.token_start >= n:
-                continue
-            end = min(f.token_end, n)
-            m = end - f.token_start
-            keys[f.layer_start : f.layer_end, f.token_start : end] = f.keys[:, :m]
-            values[f.layer_start : f.layer_end, f.token_start : end] = f.values[:, :m]
-            ids[f.token_start : end] = f.token_ids[:m].tolist()
+        keys, values, ids = stack_prefix(fragments, fp, n)
         cache = DynamicCache()
         for li in range(fp.n_layer):
             k = torch.from_numpy(to_head_major(keys[li], fp.n_head_kv, is_key=True))[None]
