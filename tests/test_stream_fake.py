@@ -212,3 +212,28 @@ def test_quantized_stream_is_approximate_but_valid(server, tmp_path):
     r = h.generate(PROMPT, max_tokens=2, strategy="stream", store=False)
     assert r.streamed_chunks == 6
     assert not np.array_equal(r.first_logits, cold(PROMPT))  # lossy: measured, not hidden
+
+
+class SlowFake(FakeAdapter):
+    """The fake engine at a device's pace: 50 ms per prefill call."""
+
+    def prefill(self, tokens, *, align):  # type: ignore[no-untyped-def]
+        time.sleep(0.05)
+        return super().prefill(tokens, align=align)
+
+
+def test_plan_is_revised_when_the_link_is_faster_than_estimated(server, tmp_path):
+    host, port = server.address
+    KVClient(f"http://{host}:{port}", SECRET).precompute(PROMPT)
+    cfg = CacheConfig(chunk_size=64, cache_dir=tmp_path / "slow")
+    kv = EdgeKV(SlowFake(), open_store(cfg), cfg)
+    raw = 64 * kv.adapter.fingerprint.kv_bytes_per_token
+    # a pessimistic prior: one chunk takes ~3 compute-times to arrive, so only the tail streams
+    cost = CostModel(bandwidth_Bps=raw / 0.15, rtt_s=0.001, prefill_a_s=0.05, prefill_b_s=0.0,
+                     wire_ratio=1.0)
+    h = HybridLoader(kv, KVClient(f"http://{host}:{port}", SECRET), cost)
+    r = h.generate(PROMPT, max_tokens=2, strategy="hybrid", store=False)
+    assert r.plan is not None and r.plan.actions[0] == "compute" and "stream" in r.plan.actions
+    assert r.replans >= 1  # the loopback link measured far faster: more chunks were streamed
+    assert r.streamed_chunks > len(r.plan.streamed)
+    assert np.array_equal(r.first_logits, cold(PROMPT))

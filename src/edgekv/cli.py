@@ -134,6 +134,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
         md = write_seed_report(res, path.with_suffix(".md"))
         print(f"wrote {path}\nreport: {md} (with PNG plots beside it)")
         return 0
+    if args.name == "codec":
+        from .bench.codec import codec_table, run_codec_bench
+
+        res = run_codec_bench(model=args.model)
+        text = codec_table(res)
+        print(text)
+        path = write_json(args.json or "bench-out/codec.json", res)
+        path.with_suffix(".md").write_text(f"# edgekv bench codec\n\n{text}\n")
+        print(f"wrote {path} and {path.with_suffix('.md')}")
+        return 0
     if args.name == "engines":
         from .bench.engines import engines_table, run_engines_bench
 
@@ -256,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_cache)
 
     b = sub.add_parser("bench", help="benchmarks (write JSON)")
-    b.add_argument("name", choices=["reuse", "lookup", "seed", "stream", "engines"])
+    b.add_argument("name", choices=["reuse", "lookup", "seed", "stream", "engines", "codec"])
     b.add_argument("--engines", default="llamacpp,torch,onnx", help="engines: which adapters to pair")
     b.add_argument("--engine", choices=["llamacpp", "torch", "onnx"], default="llamacpp",
                    help="reuse/seed: the engine under test (LlamaRAMCache only with llamacpp)")
