@@ -23,6 +23,9 @@ def _config(args: argparse.Namespace) -> CacheConfig:
 def _open(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from . import open_llamacpp
 
+    from .engines.models import resolve_model
+
+    resolve_model(args.model)  # a bad --model is reported as such, before anything else loads
     semantic = not getattr(args, "no_semantic", True)
     cfg = _config(args)
     if getattr(args, "approximate", False):
@@ -139,22 +142,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         res = run_codec_bench(model=args.model)
         text = codec_table(res)
-        print(text)
-        path = write_json(args.json or "bench-out/codec.json", res)
-        path.with_suffix(".md").write_text(f"# edgekv bench codec\n\n{text}\n")
-        print(f"wrote {path} and {path.with_suffix('.md')}")
-        return 0
-    if args.name == "engines":
+    elif args.name == "engines":
         from .bench.engines import engines_table, run_engines_bench
 
         res = run_engines_bench(model=args.model, engines=tuple(args.engines.split(",")))
         text = engines_table(res)
-        print(text)
-        path = write_json(args.json or "bench-out/engines.json", res)
-        path.with_suffix(".md").write_text(f"# edgekv bench engines\n\n{text}\n")
-        print(f"wrote {path} and {path.with_suffix('.md')}")
-        return 0
-    if args.name == "stream":
+    elif args.name == "stream":
         from .bench.stream import run_stream_bench, stream_table, write_stream_plot
 
         def floats(v: str) -> tuple[float, ...]:
@@ -174,7 +167,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             f"(estimated).\n\n![TTFT vs bandwidth]({png.name})\n")
         print(f"wrote {path}, {path.with_suffix('.md')} and {png}")
         return 0
-    if args.name == "lookup":
+    elif args.name == "lookup":
         from .bench.lookup import lookup_table, run_lookup_bench
 
         res = run_lookup_bench(model=args.model, entries=args.entries, runs=max(args.runs, 5),
@@ -188,10 +181,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
                               n_ctx=args.n_ctx, progress=progress, engine=args.engine)
         text = reuse_table(res)
     print(text)
-    if args.json:
-        path = write_json(args.json, res)
-        path.with_suffix(".md").write_text(f"# edgekv bench {args.name}\n\n{text}\n")
-        print(f"wrote {path} and {path.with_suffix('.md')}")
+    path = write_json(args.json or f"bench-out/{args.name}.json", res)
+    path.with_suffix(".md").write_text(f"# edgekv bench {args.name}\n\n{text}\n")
+    print(f"wrote {path} and {path.with_suffix('.md')}")
     return 0
 
 
