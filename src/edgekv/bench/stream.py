@@ -51,7 +51,7 @@ def run_stream_bench(*, model: str | None = None, bandwidths: tuple[float, ...] 
     from ..engines.llamacpp import LlamaCppAdapter
     from ..store import open_store
     from ..stream.client import KVClient
-    from ..stream.costmodel import RADIO_J_PER_BYTE, CostModel
+    from ..stream.costmodel import RADIO_J_PER_BYTE, RADIO_W_ACTIVE, CostModel
     from ..stream.hybrid import HybridLoader
     from ..stream.netem import Shaper
 
@@ -83,7 +83,7 @@ def run_stream_bench(*, model: str | None = None, bandwidths: tuple[float, ...] 
                     point = _point(adapter, url, secret, p, colds[n], bw, rtt, base_cost,
                                    stream_deadline_s, max_tokens, root, EdgeKV, CacheConfig,
                                    open_store, KVClient, CostModel, HybridLoader, Shaper,
-                                   CPU_W_PER_BUSY_CORE, RADIO_J_PER_BYTE)
+                                   CPU_W_PER_BUSY_CORE, (RADIO_J_PER_BYTE, RADIO_W_ACTIVE))
                     point["context_tokens"] = n
                     points.append(point)
                     if progress:
@@ -95,7 +95,8 @@ def run_stream_bench(*, model: str | None = None, bandwidths: tuple[float, ...] 
         tmp.cleanup()
     return {"bench": "stream", "points": points, "stream_deadline_s": stream_deadline_s,
             "energy_source": "estimated",
-            "energy_method": "process CPU s x 3 W/core-equivalent + received bytes x 100 nJ/B",
+            "energy_method": ("process CPU s x 3 W + received bytes x 100 nJ/B + seconds the "
+                              "radio was receiving x 0.8 W"),
             "calibration": {"prefill_a_s": round(base_cost.prefill_a_s, 4),
                             "prefill_b_s": round(base_cost.prefill_b_s, 4)},
             "environment": environment()}
@@ -142,7 +143,8 @@ def _point(adapter, url, secret, prompt, cold, bw, rtt, base_cost, deadline, max
         cpu = time.process_time() - c0
         kv.close()
         out["ttft_ms"][strategy] = round(r.ttft_s * 1000, 1)
-        out["energy_j"][strategy] = round(cpu * cpu_w + r.wire_bytes * radio_j, 3)
+        j_byte, w_radio = radio_j
+        out["energy_j"][strategy] = round(cpu * cpu_w + r.wire_bytes * j_byte + r.stream_s * w_radio, 3)
         out["wire_bytes"][strategy] = r.wire_bytes
         out["chunks"][strategy] = {"streamed": r.streamed_chunks, "computed": r.computed_chunks,
                                    "replans": r.replans, "fallback": r.fallback}

@@ -20,10 +20,12 @@ import numpy as np
 
 from ..energy import CPU_W_PER_BUSY_CORE
 
-__all__ = ["CostModel", "RADIO_J_PER_BYTE"]
+__all__ = ["CostModel", "RADIO_J_PER_BYTE", "RADIO_W_ACTIVE"]
 
-# Wi-Fi/LTE receive energy is ~50-200 nJ per byte on phones; 100 nJ/B as the nominal value.
+# Wi-Fi/LTE receive energy is ~50-200 nJ per byte on phones; 100 nJ/B as the nominal value,
+# plus the radio's active power while a transfer is under way (~0.5-1.3 W on phones).
 RADIO_J_PER_BYTE = 100e-9
+RADIO_W_ACTIVE = 0.8
 
 
 @dataclass
@@ -105,4 +107,4 @@ class CostModel:
         return self.compute_s(chunk_index) * CPU_W_PER_BUSY_CORE * self.cores
 
     def receive_j(self, wire_bytes: int) -> float:
-        return wire_bytes * RADIO_J_PER_BYTE
+        return wire_bytes * RADIO_J_PER_BYTE + self.transfer_s(wire_bytes) * RADIO_W_ACTIVE

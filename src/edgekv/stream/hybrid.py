@@ -48,6 +48,7 @@ class HybridResult:
     computed_tokens: int = 0
     replans: int = 0
     fallback: str | None = None  # why streaming stopped early, if it did
+    stream_s: float = 0.0  # seconds the radio was receiving (request sent -> last chunk)
 
 
 class _Stream:
@@ -286,6 +287,7 @@ class HybridLoader:
         i, rec = item  # type: ignore[misc]
         stream.pending = [k for k in stream.pending if k != i]
         res.wire_bytes += rec.wire_bytes
+        res.stream_s += rec.at_s - (last_at if last_at else 0.0)
         if rec.fragment is None:
             return last_at
         try:
