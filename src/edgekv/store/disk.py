@@ -22,7 +22,7 @@ import numpy as np
 from ..errors import CorruptEntry, StoreError
 from ..fragment import KVFragment
 from ..serial import decode_fragment, encode_fragment
-from .base import StoreStats, check_key
+from .base import StoreStats, check_key, decode_or_miss, live_or_miss
 
 __all__ = ["DiskStore"]
 
@@ -38,6 +38,7 @@ CREATE INDEX IF NOT EXISTS entries_v2_parent ON entries_v2(parent);
 
 
 class DiskStore:
+    name = "disk"
     def __init__(self, root: Path, capacity_bytes: int) -> None:
         self.root = Path(root)
         self.capacity_bytes = capacity_bytes
@@ -65,13 +66,8 @@ class DiskStore:
             log.warning("disk store: cannot read %s (%s); treated as a miss", path, e)
             self._stats.misses += 1
             return None
-        try:
-            frag = decode_fragment(blob)
-        except CorruptEntry as e:
-            log.warning("disk store: entry %s is damaged (%s); removed, treated as a miss", key, e)
-            self._stats.corrupt += 1
-            self._stats.misses += 1
-            self.delete(key)
+        frag = decode_or_miss(blob, key, self._stats, self.delete)
+        if frag is None:
             return None
         try:
             with self._lock:
@@ -87,13 +83,7 @@ class DiskStore:
             log.warning("disk store: index unavailable (%s); using the entry's own lifecycle", e)
             row = (frag.hit_count, frag.expires_at)
         frag = frag.with_lifecycle(hit_count=int(row[0]), expires_at=float(row[1]))
-        if frag.is_expired(now):
-            self.delete(key)
-            self._stats.expired += 1
-            self._stats.misses += 1
-            return None
-        self._stats.hits += 1
-        return frag
+        return live_or_miss(frag, key, now, self._stats, self.delete)
 
     def put(self, key: str, fragment: KVFragment) -> None:
         path = self._path(check_key(key))

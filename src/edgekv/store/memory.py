@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 
 
 class MemoryStore:
+    name = "ram"
     def __init__(self, capacity_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes
         self._items: OrderedDict[str, KVFragment] = OrderedDict()

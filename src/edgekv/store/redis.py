@@ -17,10 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CorruptEntry, StoreError
+from ..errors import StoreError
 from ..fragment import KVFragment
-from ..serial import decode_fragment, encode_fragment
-from .base import StoreStats, check_key
+from ..serial import encode_fragment
+from .base import StoreStats, check_key, decode_or_miss, live_or_miss
 
 __all__ = ["RedisStore"]
 
@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 
 class RedisStore:
+    name = "redis"
     def __init__(self, url: str, *, prefix: str = "edgekv", timeout_s: float = 2.0) -> None:
         try:
             import redis
@@ -58,32 +59,15 @@ class RedisStore:
         if blob is None:
             self._stats.misses += 1
             return None
-        try:
-            frag = decode_fragment(blob)
-        except CorruptEntry as e:
-            log.warning("redis store: entry %s is damaged (%s); removed, treated as a miss", key, e)
-            self._stats.corrupt += 1
-            self._stats.misses += 1
-            try:
-                self.delete(key)
-            except StoreError:
-                pass
+        frag = decode_or_miss(blob, key, self._stats, self.delete)
+        if frag is None:
             return None
         if meta:
             try:
                 frag = frag.with_lifecycle(int(meta[b"hit_count"]), float(meta[b"expires_at"]))
             except (KeyError, ValueError) as e:
                 log.warning("redis store: lifecycle of %s is damaged (%s); using the entry's", key, e)
-        if frag.is_expired(now):
-            try:
-                self.delete(key)
-            except StoreError:
-                pass
-            self._stats.expired += 1
-            self._stats.misses += 1
-            return None
-        self._stats.hits += 1
-        return frag
+        return live_or_miss(frag, key, now, self._stats, self.delete)
 
     def put(self, key: str, fragment: KVFragment) -> None:
         check_key(key)

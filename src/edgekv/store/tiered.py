@@ -23,7 +23,7 @@ class TieredStore:
             if frag is not None:
                 for upper in self.tiers[:i]:
                     upper.put(key, frag)
-                self.last_tier = tier.stats().tier
+                self.last_tier = getattr(tier, "name", type(tier).__name__)
                 return frag
         self.last_tier = None
         return None
