@@ -17,9 +17,9 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from .config import CacheConfig
-from .engines.base import EngineCounters, FragmentSpec, KVAdapter
+from .engines.base import FragmentSpec, KVAdapter
 from .errors import EdgeKVError, EngineError, FragmentError, IncompatibleFragment, StoreError
-from .fragment import MAX_SPAN, MIN_SPAN, KVFragment, next_expiry
+from .fragment import MAX_SPAN, MIN_SPAN, KVFragment, common_prefix, next_expiry
 from .keys import ChunkKey, chunk_keys, next_key
 from .lookup import Chunk, ChunkReader
 from .store.base import FragmentStore
@@ -27,6 +27,8 @@ from .store.base import FragmentStore
 __all__ = ["EdgeKV", "GenerationResult", "PrefixMatch"]
 
 log = logging.getLogger(__name__)
+
+INDEX_SAVE_EVERY = 16  # semantic index additions between saves of its file
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +42,7 @@ class PrefixMatch:
     similarity: float = 0.0
     route_s: float = 0.0
     rejections: tuple[str, ...] = ()
+    route: object | None = field(default=None, repr=False)  # the semantic route, if computed
 
     @property
     def fragments(self) -> tuple[KVFragment, ...]:
@@ -99,6 +102,7 @@ class EdgeKV:
         step = self.config.layers_per_fragment or n_layer
         groups = [(lo, min(n_layer, lo + step)) for lo in range(0, n_layer, step)]
         self.reader = ChunkReader(store, self.fingerprint, n_layer, groups)
+        self._unsaved = 0  # index additions not yet written to disk
         if router is not None and hasattr(store, "add_remove_listener"):
             store.add_remove_listener(self._on_store_remove)
 
@@ -107,10 +111,25 @@ class EdgeKV:
     def chunk_keys(self, tokens: Sequence[int]) -> list[ChunkKey]:
         return chunk_keys(self.fingerprint, tokens, self.config.chunk_size)
 
+    def cached_chunks(self, keys: Sequence[str], now: float | None = None,
+                      rejections: list[str] | None = None) -> list[Chunk]:
+        """The exact chain walk: verified chunks under `keys`, from the first until one is
+        missing or refused."""
+        now = time.time() if now is None else now
+        rejections = [] if rejections is None else rejections
+        chunks: list[Chunk] = []
+        for key in keys:
+            chunk = self.reader.read(key, now, rejections)
+            if chunk is None:
+                break
+            chunks.append(chunk)
+        return chunks
+
     def lookup(self, tokens: Sequence[int], text: str | None = None, *,
-               approximate: bool | None = None, now: float | None = None) -> PrefixMatch:
+               approximate: bool | None = None, now: float | None = None,
+               keys: Sequence[str] | None = None) -> PrefixMatch:
         """What to restore for `tokens`: at most len(tokens) - 1 positions, so the first
-        output token's logits are always computed.
+        output token's logits are always computed. `keys`: the tokens' chunk keys, if known.
 
         Strict reuse is the exact chain walk: whole chunks, so every batch the engine then
         runs has the same shape as in a cold run and the logits are bit-identical. With
@@ -123,13 +142,9 @@ class EdgeKV:
         now = time.time() if now is None else now
         approximate = self.config.approximate if approximate is None else approximate
         c, ids, limit = self.config.chunk_size, np.asarray(tokens, np.int32), len(tokens) - 1
+        keys = self.chunk_keys(tokens) if keys is None else keys
         rejections: list[str] = []
-        chunks: list[Chunk] = []
-        for key in self.chunk_keys(tokens)[: limit // c]:
-            chunk = self.reader.read(key, now, rejections)
-            if chunk is None:
-                break
-            chunks.append(chunk)
+        chunks = self.cached_chunks(keys[: limit // c], now, rejections)
         n = len(chunks) * c
         best = PrefixMatch(n, tuple(chunks), n)
         ext = (self._successors(ids, chunks, limit, now, rejections)
@@ -137,13 +152,13 @@ class EdgeKV:
         if ext is not None:
             best = replace(best, n_tokens=ext[1], chunks=tuple(ext[0]))
         if approximate and self.router is not None and text is not None:
-            route = self._route(text)
+            route = self.router.route(text)  # type: ignore[attr-defined]
             best = replace(best, tier=route.tier.value, similarity=route.similarity,
-                           route_s=route.embed_s + route.search_s)
+                           route_s=route.embed_s + route.search_s, route=route)
             if route.tier.value != "miss" and route.candidates:
                 approx = self._approximate(route.candidates[0][0], ids, limit, now, rejections)
                 if approx is not None and approx.n_tokens > best.n_tokens:
-                    best = replace(approx, exact_tokens=n, tier=best.tier,
+                    best = replace(approx, exact_tokens=n, tier=best.tier, route=route,
                                    similarity=best.similarity, route_s=best.route_s)
         return replace(best, rejections=tuple(rejections))
 
@@ -163,26 +178,25 @@ class EdgeKV:
         text = prompt if isinstance(prompt, str) else None
         if text is None and self.router is not None and use_cache:
             text = a.detokenize(tokens)
-        self._last_route = None
-        match = self.lookup(tokens, text, approximate=approximate) if use_cache else PrefixMatch(0)
+        keys = self.chunk_keys(tokens)  # once per request: lookup, store and prefetch share them
+        match = (self.lookup(tokens, text, approximate=approximate, keys=keys) if use_cache
+                 else PrefixMatch(0))
         rejections = match.rejections
         t_lookup = time.perf_counter()
         cached = self._inject(match)
         if cached != match.n_tokens:
             match = PrefixMatch(0, rejections=rejections)
         t_inject = time.perf_counter()
-        c0 = a.counters.batches, a.counters.tokens, a.counters.kv_cells_read
+        before = a.counters.snapshot()
         logits = a.prefill(tokens[cached:], align=self.config.chunk_size)
-        c1 = a.counters
-        prefill_traffic = EngineCounters(c1.batches - c0[0], c1.tokens - c0[1],
-                                         c1.kv_cells_read - c0[2]).traffic_bytes(
+        prefill_traffic = a.counters.since(before).traffic_bytes(
             getattr(a, "weight_bytes", 0), a.fingerprint.kv_bytes_per_token)
         t_first = time.perf_counter()  # choosing the first token from logits is ~20 us more
-        if self.router is not None and use_cache and text is not None and self._last_route is None:
+        if self.router is not None and use_cache and text is not None and match.route is None:
             # strict mode: the route is for reporting and indexing, off the TTFT path
-            route = self._route(text)
-            match = replace(match, tier=route.tier.value, similarity=route.similarity,  # type: ignore[attr-defined]
-                            route_s=route.embed_s + route.search_s)  # type: ignore[attr-defined]
+            route = self.router.route(text)  # type: ignore[attr-defined]
+            match = replace(match, tier=route.tier.value, similarity=route.similarity,
+                            route_s=route.embed_s + route.search_s, route=route)
         gen = a.generate(logits, max_tokens, temperature=temperature, seed=seed,
                          keep_logits=keep_logits)
         t_gen = time.perf_counter()
@@ -190,10 +204,11 @@ class EdgeKV:
         # KV computed on top of reuse that was not batch-exact is not what a cold run would
         # hold, so it is never stored (it would spread the difference to later requests)
         if store and use_cache and match.batch_exact(self.config.chunk_size):
-            stored, written = self._store_new(tokens, cached)
+            stored, written = self.store_new(tokens, cached, keys, match.route)
         self._record_hits(match)
         if self.prefetcher is not None and use_cache:
-            self.prefetcher.observe(self._signature(tokens))  # type: ignore[attr-defined]
+            # a request's signature: its deepest full chunk, which names its context
+            self.prefetcher.observe(keys[-1] if keys else None)  # type: ignore[attr-defined]
         t_end = time.perf_counter()
         return GenerationResult(
             text=a.detokenize(gen.tokens), tokens=gen.tokens, prompt_tokens=len(tokens),
@@ -210,21 +225,19 @@ class EdgeKV:
         n = self.store.clear()
         if self.router is not None:
             self.router.index.clear()  # type: ignore[attr-defined]
-            self.router.index.save()  # type: ignore[attr-defined]
+        self._save_index()
         return n
 
     def sweep(self, now: float | None = None) -> int:
         """Drop expired fragments (their index entries go with them)."""
         n = self.store.sweep(now)
-        if self.router is not None:
-            self.router.index.save()  # type: ignore[attr-defined]
+        self._save_index()
         return n
 
     def close(self) -> None:
         if self.prefetcher is not None:
             self.prefetcher.close()  # type: ignore[attr-defined]
-        if self.router is not None:
-            self.router.index.save()  # type: ignore[attr-defined]
+        self._save_index()
         self.store.close()
 
     # -- private helpers -----------------------------------------------------------------
@@ -245,7 +258,7 @@ class EdgeKV:
         for k0 in range(max(0, len(exact) - 1), len(exact) + 1):
             parent = exact[k0 - 1].chain_key if k0 else ""
             for skey, tok in children(parent):
-                same = _common_prefix(tok, ids[k0 * c : limit])
+                same = common_prefix(tok, ids[k0 * c : limit])
                 end = k0 * c + same
                 gain = end - max(start, best[0] if best else 0)
                 if gain >= self.config.min_reuse_tokens and gain > 0:
@@ -259,11 +272,6 @@ class EdgeKV:
                 or chunk.head.prefix_len(ids[k0 * c : end]) < end - k0 * c):
             return None
         return exact[:k0] + [chunk], end
-
-    def _route(self, text: str) -> object:
-        route = self.router.route(text)  # type: ignore[union-attr]
-        self._last_route = route
-        return route
 
     def _approximate(self, cand: str, ids: np.ndarray, limit: int, now: float,
                      rejections: list[str]) -> PrefixMatch | None:
@@ -287,9 +295,11 @@ class EdgeKV:
             self.adapter.clear_kv_cache()
             return 0
 
-    def _store_new(self, tokens: Sequence[int], cached: int) -> tuple[int, int]:
+    def store_new(self, tokens: Sequence[int], cached: int, keys: Sequence[str],
+                  route: object | None = None) -> tuple[int, int]:
+        """Store the chunks of `tokens` from `cached` on (the engine holds their KV); the
+        deepest gets the route's embedding and an index entry. Returns (fragments, bytes)."""
         c = self.config.chunk_size
-        keys = self.chunk_keys(tokens)
         spans: list[tuple[str, str, int, int]] = []  # chain key, parent, start, end
         for i, key in enumerate(keys):
             if (i + 1) * c > cached:
@@ -316,12 +326,11 @@ class EdgeKV:
         except (EngineError, FragmentError) as e:
             log.warning("could not extract KV for caching (%s); nothing stored", e)
             return 0, 0
-        route = getattr(self, "_last_route", None)
         deepest = max(f.token_end for f in frags)
         for spec, frag in zip(specs, frags):
             frag = frag.stamped(now, self.config.ttl_s)
             if route is not None and frag.token_end == deepest:
-                frag = replace(frag, embedding=route.embedding)
+                frag = replace(frag, embedding=route.embedding)  # type: ignore[attr-defined]
             try:
                 self.store.put(self.reader.store_key(spec.chain_key, spec.layer_start,
                                                      frag.layer_end), frag)
@@ -330,9 +339,19 @@ class EdgeKV:
                 return 0, 0
         if route is not None:
             deep_key = next(s.chain_key for s, f in zip(specs, frags) if f.token_end == deepest)
-            self.router.index.add(deep_key, route.embedding)  # type: ignore[union-attr]
-            self.router.index.save()  # type: ignore[union-attr]
+            self.router.index.add(deep_key, route.embedding)  # type: ignore[union-attr, attr-defined]
+            self._unsaved += 1
+            if self._unsaved >= INDEX_SAVE_EVERY:
+                self._save_index()
         return len(frags), sum(f.nbytes for f in frags)
+
+    def _save_index(self) -> None:
+        """The index file is rewritten whole, so not after every request: every
+        INDEX_SAVE_EVERY additions, on sweep, clear, compaction and close. Entries lost in a
+        crash only lower approximate-mode recall until `rebuild`; strict reuse never uses it."""
+        if self.router is not None:
+            self.router.index.save()  # type: ignore[attr-defined]
+        self._unsaved = 0
 
     def _record_hits(self, match: PrefixMatch) -> None:
         cfg, now = self.config, time.time()
@@ -359,10 +378,6 @@ class EdgeKV:
             key = frag.parent_key if frag is not None else ""
         return n
 
-    def _signature(self, tokens: Sequence[int]) -> str | None:
-        keys = self.chunk_keys(tokens)
-        return keys[-1] if keys else None
-
     def _on_store_remove(self, store_key: str) -> None:
         """Keep the index free of dangling entries: drop a chunk's entry once none of its
         fragments (whole or layer groups) is left in the store."""
@@ -375,12 +390,6 @@ class EdgeKV:
 
         fp = self.adapter.fingerprint
         report = compact(self.store, n_layer=fp.n_layer, n_head_kv=fp.n_head_kv)
-        if self.router is not None:
-            self.router.index.save()  # type: ignore[attr-defined]
+        self._save_index()
         return report
 
-
-def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
-    return int(diff[0]) if diff.size else n

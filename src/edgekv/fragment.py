@@ -21,11 +21,18 @@ import numpy as np
 from .errors import FragmentError
 from .keys import token_bytes
 
-__all__ = ["KVFragment", "MAX_SPAN", "MIN_SPAN", "content_hash", "next_expiry"]
+__all__ = ["KVFragment", "MAX_SPAN", "MIN_SPAN", "common_prefix", "content_hash", "next_expiry"]
 
 MIN_SPAN = 64  # seed: token span in [64, 2048]
 MAX_SPAN = 2048
 KV_DTYPES = {"f16": np.float16, "f32": np.float32}
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading token ids of `a` and `b` are equal."""
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(np.asarray(a[:n], np.int64) != np.asarray(b[:n], np.int64))
+    return int(diff[0]) if diff.size else n
 
 
 def content_hash(fingerprint: str, token_ids: np.ndarray) -> str:
@@ -152,9 +159,7 @@ class KVFragment:
 
     def prefix_len(self, token_ids: np.ndarray) -> int:
         """How many leading tokens of this fragment equal `token_ids` (compared position-wise)."""
-        n = min(self.span, len(token_ids))
-        diff = np.flatnonzero(self.token_ids[:n] != np.asarray(token_ids[:n], dtype=np.int32))
-        return int(diff[0]) if diff.size else n
+        return common_prefix(self.token_ids, token_ids)
 
     def layer_slice(self, layer_start: int, layer_end: int) -> KVFragment:
         """The sub-fragment holding layers [layer_start, layer_end) (dense fragments only)."""

@@ -79,7 +79,7 @@ class ChunkReader:
                 if frag is None:
                     break
                 try:
-                    self._verify(frag, chain_key, lo, hi, frags[0] if frags else None)
+                    self.verify(frag, chain_key, lo, hi, frags[0] if frags else None)
                 except IncompatibleFragment as e:
                     log.warning("rejected cached fragment %s: %s", key, e)
                     rejections.append(f"{key[:16]}: {e}")
@@ -91,7 +91,7 @@ class ChunkReader:
                 return Chunk(chain_key, tuple(frags), tuple(keys), tier)
         return None
 
-    def _verify(self, frag: KVFragment, chain_key: str, lo: int, hi: int,
+    def verify(self, frag: KVFragment, chain_key: str, lo: int, hi: int,
                 first: KVFragment | None) -> None:
         if frag.model_fingerprint != self.fingerprint:
             raise IncompatibleFragment(f"made by another model ({frag.model_fingerprint[:12]}, "

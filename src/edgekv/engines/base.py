@@ -56,6 +56,14 @@ class EngineCounters:
     tokens: int = 0
     kv_cells_read: int = 0
 
+    def snapshot(self) -> EngineCounters:
+        return EngineCounters(self.batches, self.tokens, self.kv_cells_read)
+
+    def since(self, before: EngineCounters) -> EngineCounters:
+        """What was computed after `before` (a snapshot)."""
+        return EngineCounters(self.batches - before.batches, self.tokens - before.tokens,
+                              self.kv_cells_read - before.kv_cells_read)
+
     def add_batch(self, lo: int, hi: int) -> None:
         self.batches += 1
         self.tokens += hi - lo

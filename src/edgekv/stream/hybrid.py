@@ -12,6 +12,7 @@ the default f16 level, bit-identical to computed ones.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -109,15 +110,17 @@ class HybridLoader:
         if strategy not in ("hybrid", "local", "stream"):
             raise EdgeKVError(f"strategy must be hybrid, local or stream, not {strategy!r}")
         kv, a = self.kv, self.kv.adapter
-        kv._last_route = None  # no embedding of an earlier request may be attached here
         t0 = time.perf_counter()
         tokens = a.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if len(tokens) + max_tokens > a.n_ctx:
             raise EdgeKVError(f"prompt + max_tokens exceeds the context window ({a.n_ctx})")
         c = kv.config.chunk_size
-        keys = kv.chunk_keys(tokens)[: (len(tokens) - 1) // c]
+        all_keys = kv.chunk_keys(tokens)
+        keys = all_keys[: (len(tokens) - 1) // c]
         n = len(keys)
-        local = self._local_chain(keys)
+        # the device's own cache first; the executor handles one fragment per chunk
+        local = [ch.fragments[0] for ch in
+                 itertools.takewhile(lambda ch: len(ch.fragments) == 1, kv.cached_chunks(keys))]
         raw = c * a.fingerprint.kv_bytes_per_token
         stream_ok = self.streaming and strategy != "local"
         flags = [i < len(local) for i in range(n)]
@@ -142,25 +145,15 @@ class HybridLoader:
         res.tokens, res.text = gen.tokens, a.detokenize(gen.tokens)
         # quantized chunks are not this request's exact KV: nothing computed on them is stored
         if store and (self.codec == "f16" or res.streamed_chunks == 0):
-            kv._store_new(tokens, len(local) * c)
+            kv.store_new(tokens, len(local) * c, all_keys)
         return res
 
     # -- execution -----------------------------------------------------------------------
 
-    def _local_chain(self, keys: Sequence[str]) -> list[KVFragment]:
-        out: list[KVFragment] = []
-        now = time.time()
-        for key in keys:
-            chunk = self.kv.reader.read(key, now, [])
-            if chunk is None or len(chunk.fragments) != 1:
-                break
-            out.append(chunk.fragments[0])
-        return out
-
     def _verify(self, frag: KVFragment, key: str, i: int, tokens: Sequence[int]) -> None:
         c = self.kv.config.chunk_size
         fp = self.kv.adapter.fingerprint
-        self.kv.reader._verify(frag, key, 0, fp.n_layer, None)
+        self.kv.reader.verify(frag, key, 0, fp.n_layer, None)
         if (frag.keys.shape[2], frag.values.shape[2], frag.kv_dtype) != (fp.n_embd_k, fp.n_embd_v, fp.kv_dtype):
             raise ChunkRejected(f"chunk {i} has KV widths/dtype {frag.keys.shape[2]}/"
                                 f"{frag.values.shape[2]}/{frag.kv_dtype}, the engine "
