@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import importlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -39,3 +41,17 @@ def fake_cache(tmp_path: Path) -> EdgeKV:
 def require_real() -> bool:
     """Under `make test` (EDGEKV_REQUIRE_REAL=1) a missing engine fails instead of skipping."""
     return os.environ.get("EDGEKV_REQUIRE_REAL") == "1"
+
+
+def real_stack(what: str, *modules: str, check: Callable[[], object] | None = None) -> None:
+    """Import `modules` and run `check` (e.g. find the model): if anything is missing the
+    calling test module is skipped, except under `make test`, where it fails."""
+    try:
+        for name in modules:
+            importlib.import_module(name)
+        if check is not None:
+            check()
+    except Exception as e:  # noqa: BLE001 - any import or model problem
+        if require_real():
+            raise
+        pytest.skip(f"{what} unavailable: {e}", allow_module_level=True)

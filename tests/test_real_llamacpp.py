@@ -14,18 +14,15 @@ import pytest
 from edgekv import CacheConfig, EdgeKV, UnsupportedLayout, open_store
 from edgekv.engines.base import FragmentSpec
 
-from .conftest import require_real
+from edgekv.engines.models import default_model_path
 
-try:
-    from edgekv.engines.llamacpp import LlamaCppAdapter
-    from edgekv.engines.models import default_model_path
+from .conftest import real_stack
 
-    MODEL = default_model_path()
-    import llama_cpp  # noqa: F401
-except Exception as e:  # noqa: BLE001 - any import/model problem
-    if require_real():
-        raise
-    pytest.skip(f"real engine unavailable: {e}", allow_module_level=True)
+real_stack("real engine", "llama_cpp", check=default_model_path)
+
+from edgekv.engines.llamacpp import LlamaCppAdapter  # noqa: E402
+
+MODEL = default_model_path()
 
 pytestmark = pytest.mark.real
 CONTEXT = (Path(__file__).parent.parent / "src/edgekv/bench/texts.py").read_text()

@@ -11,17 +11,12 @@ from edgekv.bench.texts import MANUAL
 from edgekv.engines.base import FragmentSpec
 from edgekv.engines.layout import can_inject, convert_fragment
 
-from .conftest import require_real
+from .conftest import real_stack
 
-try:
-    import onnxruntime  # noqa: F401
+real_stack("onnx engine", "onnxruntime", "transformers")
 
-    from edgekv.engines.llamacpp import LlamaCppAdapter
-    from edgekv.engines.onnx import OnnxAdapter
-except Exception as e:  # noqa: BLE001
-    if require_real():
-        raise
-    pytest.skip(f"onnx engine unavailable: {e}", allow_module_level=True)
+from edgekv.engines.llamacpp import LlamaCppAdapter  # noqa: E402
+from edgekv.engines.onnx import OnnxAdapter  # noqa: E402
 
 pytestmark = pytest.mark.real
 

@@ -9,20 +9,14 @@ from edgekv import CacheConfig, EdgeKV, open_router, open_store
 from edgekv.bench.texts import MANUAL, SYSTEM_PROMPT
 from edgekv.chat import render_chat
 
-from .conftest import require_real
+from edgekv.semantic.embedder import minilm_dir
 
-try:
-    from edgekv.engines.llamacpp import LlamaCppAdapter
-    from edgekv.semantic import MiniLMEmbedder
-    from edgekv.semantic.embedder import minilm_dir
+from .conftest import real_stack
 
-    minilm_dir()
-    import onnxruntime  # noqa: F401
-    import usearch  # noqa: F401
-except Exception as e:  # noqa: BLE001
-    if require_real():
-        raise
-    pytest.skip(f"semantic stack unavailable: {e}", allow_module_level=True)
+real_stack("semantic stack", "onnxruntime", "usearch", check=minilm_dir)
+
+from edgekv.engines.llamacpp import LlamaCppAdapter  # noqa: E402
+from edgekv.semantic import MiniLMEmbedder  # noqa: E402
 
 pytestmark = pytest.mark.real
 

@@ -21,20 +21,15 @@ from edgekv.stream.costmodel import CostModel
 from edgekv.stream.hybrid import HybridLoader
 from edgekv.stream.netem import Shaper
 
-from .conftest import require_real
+from edgekv.engines.models import default_model_path
+
+from .conftest import real_stack, require_real
 from .streamkit import TamperProxy
 
-try:
-    from edgekv.engines.llamacpp import LlamaCppAdapter
-    from edgekv.engines.models import default_model_path
+real_stack("streaming stack", "llama_cpp", "cryptography", "zstandard",
+           check=default_model_path)
 
-    default_model_path()
-    import cryptography  # noqa: F401
-    import zstandard  # noqa: F401
-except Exception as e:  # noqa: BLE001
-    if require_real():
-        raise
-    pytest.skip(f"streaming stack unavailable: {e}", allow_module_level=True)
+from edgekv.engines.llamacpp import LlamaCppAdapter  # noqa: E402
 
 pytestmark = pytest.mark.real
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}

@@ -10,18 +10,12 @@ from edgekv.bench.texts import MANUAL
 from edgekv.engines.base import FragmentSpec
 from edgekv.engines.layout import can_inject, convert_fragment
 
-from .conftest import require_real
+from .conftest import real_stack
 
-try:
-    import accelerate  # noqa: F401
-    import gguf  # noqa: F401
+real_stack("torch engine", "torch", "transformers", "gguf", "accelerate")
 
-    from edgekv.engines.llamacpp import LlamaCppAdapter
-    from edgekv.engines.torch import TorchAdapter
-except Exception as e:  # noqa: BLE001
-    if require_real():
-        raise
-    pytest.skip(f"torch engine unavailable: {e}", allow_module_level=True)
+from edgekv.engines.llamacpp import LlamaCppAdapter  # noqa: E402
+from edgekv.engines.torch import TorchAdapter  # noqa: E402
 
 pytestmark = pytest.mark.real
 

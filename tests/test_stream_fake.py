@@ -3,7 +3,6 @@ shaping, and the executor's three strategies and fault paths."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import numpy as np

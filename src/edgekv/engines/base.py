@@ -12,18 +12,18 @@ the same numbers as a cold run instead of "close enough".
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from ..errors import ConfigError, IncompatibleFragment
+from ..errors import ConfigError, EngineError, IncompatibleFragment
 from ..fragment import KVFragment
 from ..keys import ModelFingerprint
 
-__all__ = ["EngineCounters", "FragmentSpec", "Generation", "KVAdapter", "aligned_batches", "check_injectable",
-           "injection_length", "sample_loop", "stack_prefix"]
+__all__ = ["EngineCounters", "check_prefill", "FragmentSpec", "Generation", "KVAdapter", "aligned_batches", "check_injectable",
+           "injection_length", "sample_loop", "stack_prefix", "build_fragments", "SequenceAdapter"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +113,15 @@ class KVAdapter(Protocol):
                  seed: int = 0, keep_logits: bool = False) -> Generation: ...
 
     def close(self) -> None: ...
+
+
+def check_prefill(held: int, new: int, n_ctx: int) -> None:
+    """Refuse an empty prefill or one that would overflow the context window."""
+    if new < 1:
+        raise EngineError("prefill needs at least one token")
+    if held + new > n_ctx:
+        raise EngineError(f"{held + new} tokens exceed the context window ({n_ctx}); raise "
+                          "--n-ctx or shorten the prompt")
 
 
 def aligned_batches(start: int, n: int, align: int) -> list[tuple[int, int]]:
@@ -235,3 +244,51 @@ def stack_prefix(fragments: Sequence[KVFragment], fp: ModelFingerprint, n: int,
         values[f.layer_start : f.layer_end, f.token_start : end] = f.values[:, :m]
         ids[f.token_start : end] = f.token_ids[:m].tolist()
     return keys, values, ids
+
+
+def build_fragments(specs: Sequence[FragmentSpec], fp: ModelFingerprint, ids: Sequence[int],
+                    layer_kv: Callable[[int, slice], tuple[np.ndarray, np.ndarray]],
+                    dtype: type | None = None) -> list[KVFragment]:
+    """Fragments for `specs` from an engine's state: `layer_kv(layer, token_slice)` returns
+    that layer's canonical K and V [token, width]; `ids` are the engine's token ids."""
+    out = []
+    for s in specs:
+        if s.token_end > len(ids):
+            raise EngineError(f"cannot extract tokens [{s.token_start}, {s.token_end}): the "
+                              f"engine holds {len(ids)}")
+        le = fp.n_layer if s.layer_end is None else s.layer_end
+        tok = slice(s.token_start, s.token_end)
+        kv = [layer_kv(li, tok) for li in range(s.layer_start, le, s.layer_stride)]
+        keys, values = np.stack([k for k, _ in kv]), np.stack([v for _, v in kv])
+        if dtype is not None:
+            keys, values = keys.astype(dtype, copy=False), values.astype(dtype, copy=False)
+        out.append(KVFragment(
+            model_fingerprint=fp.digest, chain_key=s.chain_key, token_start=s.token_start,
+            token_end=s.token_end, layer_start=s.layer_start, layer_end=le,
+            layer_stride=s.layer_stride, parent_key=s.parent_key, n_layer_model=fp.n_layer,
+            token_ids=np.asarray(ids[tok], np.int32), keys=keys, values=values))
+    return out
+
+
+class SequenceAdapter:
+    """Bookkeeping shared by adapters that keep their own token list (fake, torch, onnx)."""
+
+    _ids: list[int]
+    _n_ctx: int
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self._ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return list(self._ids)
+
+    @property
+    def n_ctx(self) -> int:
+        return self._n_ctx
+
+    def generate(self, logits: np.ndarray, max_tokens: int, *, temperature: float = 0.0,
+                 seed: int = 0, keep_logits: bool = False) -> Generation:
+        return sample_loop(self, logits, max_tokens, temperature=temperature, seed=seed,  # type: ignore[arg-type]
+                           keep_logits=keep_logits)

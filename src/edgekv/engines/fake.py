@@ -13,16 +13,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..errors import EngineError
 from ..fragment import KVFragment
 from ..keys import ModelFingerprint
-from .base import (EngineCounters, FragmentSpec, Generation, aligned_batches, injection_length,
-                   sample_loop, stack_prefix)
+from .base import (EngineCounters, FragmentSpec, SequenceAdapter, aligned_batches, build_fragments,
+                   check_prefill, injection_length, stack_prefix)
 
 __all__ = ["FakeAdapter"]
 
 
-class FakeAdapter:
+class FakeAdapter(SequenceAdapter):
     def __init__(self, *, n_layer: int = 4, n_head_kv: int = 2, head_dim: int = 4,
                  vocab: int = 257, n_ctx: int = 4096, tag: str = "fake-model") -> None:
         self.fingerprint = ModelFingerprint(
@@ -41,18 +40,6 @@ class FakeAdapter:
         self.weight_bytes = int(self._w.nbytes)
 
     @property
-    def n_tokens(self) -> int:
-        return len(self._ids)
-
-    @property
-    def token_ids(self) -> list[int]:
-        return list(self._ids)
-
-    @property
-    def n_ctx(self) -> int:
-        return self._n_ctx
-
-    @property
     def eos_token(self) -> int:
         return 0
 
@@ -67,10 +54,7 @@ class FakeAdapter:
         self._ids, self._hash, self._k, self._v = [], [], [], []
 
     def prefill(self, tokens: Sequence[int], *, align: int) -> np.ndarray:
-        if not tokens:
-            raise EngineError("prefill needs at least one token")
-        if self.n_tokens + len(tokens) > self._n_ctx:
-            raise EngineError(f"context window ({self._n_ctx}) exceeded")
+        check_prefill(self.n_tokens, len(tokens), self._n_ctx)
         fp = self.fingerprint
         for t in tokens:
             parent = self._hash[-1] if self._hash else b"root"
@@ -90,27 +74,10 @@ class FakeAdapter:
         att = np.tanh(k[-1] @ k.mean(axis=0).T).sum() + v.mean(axis=(0, 1))
         return (att @ self._w).astype(np.float32)
 
-    def generate(self, logits: np.ndarray, max_tokens: int, *, temperature: float = 0.0,
-                 seed: int = 0, keep_logits: bool = False) -> Generation:
-        return sample_loop(self, logits, max_tokens, temperature=temperature, seed=seed,
-                           keep_logits=keep_logits)
-
     def extract_fragments(self, specs: Sequence[FragmentSpec]) -> list[KVFragment]:
-        fp = self.fingerprint
         k, v = np.stack(self._k, axis=1), np.stack(self._v, axis=1)
-        out = []
-        for s in specs:
-            if s.token_end > self.n_tokens:
-                raise EngineError(f"cannot extract up to {s.token_end}: engine holds {self.n_tokens}")
-            le = fp.n_layer if s.layer_end is None else s.layer_end
-            lay, tok = slice(s.layer_start, le, s.layer_stride), slice(s.token_start, s.token_end)
-            out.append(KVFragment(
-                model_fingerprint=fp.digest, chain_key=s.chain_key, token_start=s.token_start,
-                token_end=s.token_end, layer_start=s.layer_start, layer_end=le,
-                layer_stride=s.layer_stride, parent_key=s.parent_key, n_layer_model=fp.n_layer,
-                token_ids=np.asarray(self._ids[tok], np.int32),
-                keys=k[lay, tok].copy(), values=v[lay, tok].copy()))
-        return out
+        return build_fragments(specs, self.fingerprint, self._ids,
+                               lambda li, tok: (k[li, tok], v[li, tok]))
 
     def inject_fragments(self, fragments: Sequence[KVFragment], limit: int | None = None) -> int:
         n = injection_length(fragments, self.fingerprint, limit)

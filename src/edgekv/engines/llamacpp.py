@@ -19,7 +19,8 @@ import numpy as np
 from ..errors import EngineError, IncompatibleFragment, UnsupportedLayout
 from ..fragment import KVFragment
 from ..keys import ModelFingerprint, file_sha256
-from .base import EngineCounters, FragmentSpec, Generation, aligned_batches, injection_length, sample_loop
+from .base import (EngineCounters, FragmentSpec, Generation, aligned_batches, build_fragments,
+                   check_prefill, injection_length, sample_loop)
 from .llamacpp_state import SeqState, SeqStateWriter, parse_seq_state
 from .models import resolve_model
 
@@ -129,11 +130,7 @@ class LlamaCppAdapter:
         self._lib.llama_memory_clear(self._lib.llama_get_memory(self._ctx), True)
 
     def prefill(self, tokens: Sequence[int], *, align: int) -> np.ndarray:
-        if not tokens:
-            raise EngineError("prefill needs at least one token")
-        if self.n_tokens + len(tokens) > self.n_ctx:
-            raise EngineError(f"{self.n_tokens + len(tokens)} tokens exceed the context window "
-                              f"({self.n_ctx}); raise --n-ctx or shorten the prompt")
+        check_prefill(self.n_tokens, len(tokens), self.n_ctx)
         toks = list(tokens)
         base = self.n_tokens
         for lo, hi in aligned_batches(base, len(toks), align):
@@ -149,17 +146,20 @@ class LlamaCppAdapter:
 
     # -- fragments -----------------------------------------------------------------------
 
-    def read_state(self) -> SeqState:
-        """The engine's sequence as canonical keys/values (views into one copied blob)."""
+    def _state_buffer(self) -> ctypes.Array[ctypes.c_uint8]:
         lib = self._lib
         size = lib.llama_state_seq_get_size(self._ctx, 0)
         buf = (ctypes.c_uint8 * size)()
         written = lib.llama_state_seq_get_data(self._ctx, buf, size, 0)
         if written != size:
             raise EngineError(f"llama_state_seq_get_data wrote {written} of {size} bytes")
+        return buf
+
+    def read_state(self) -> SeqState:
+        """The engine's sequence as canonical keys/values (views into one copied blob)."""
         fp = self.fingerprint
-        state = parse_seq_state(memoryview(buf), n_layer=fp.n_layer, n_embd_k=fp.n_embd_k,
-                                n_embd_v=fp.n_embd_v)
+        state = parse_seq_state(memoryview(self._state_buffer()), n_layer=fp.n_layer,
+                                n_embd_k=fp.n_embd_k, n_embd_v=fp.n_embd_v)
         if state.n_tokens != self.n_tokens:
             raise UnsupportedLayout(f"engine state holds {state.n_tokens} cells for "
                                     f"{self.n_tokens} evaluated tokens (SWA or context shift)")
@@ -168,32 +168,14 @@ class LlamaCppAdapter:
         return state
 
     def read_state_blob(self) -> bytes:
-        size = self._lib.llama_state_seq_get_size(self._ctx, 0)
-        buf = (ctypes.c_uint8 * size)()
-        self._lib.llama_state_seq_get_data(self._ctx, buf, size, 0)
-        return bytes(buf)
+        return bytes(self._state_buffer())
 
     def extract_fragments(self, specs: Sequence[FragmentSpec]) -> list[KVFragment]:
         if not specs:
             return []
         state = self.read_state()
-        ids = np.asarray(self.token_ids, dtype=np.int32)
-        out = []
-        for s in specs:
-            if s.token_end > state.n_tokens:
-                raise EngineError(f"cannot extract tokens [{s.token_start}, {s.token_end}): "
-                                  f"the engine holds {state.n_tokens}")
-            layer_end = self.fingerprint.n_layer if s.layer_end is None else s.layer_end
-            layers = slice(s.layer_start, layer_end, s.layer_stride)
-            tok = slice(s.token_start, s.token_end)
-            out.append(KVFragment(
-                model_fingerprint=self.fingerprint.digest, chain_key=s.chain_key,
-                token_start=s.token_start, token_end=s.token_end, layer_start=s.layer_start,
-                layer_end=layer_end, layer_stride=s.layer_stride, parent_key=s.parent_key,
-                n_layer_model=self.fingerprint.n_layer, token_ids=ids[tok].copy(),
-                keys=np.ascontiguousarray(state.keys[layers, tok]),
-                values=np.ascontiguousarray(state.values[layers, tok])))
-        return out
+        return build_fragments(specs, self.fingerprint, self.token_ids,
+                               lambda li, tok: (state.keys[li, tok], state.values[li, tok]))
 
     def inject_fragments(self, fragments: Sequence[KVFragment], limit: int | None = None) -> int:
         n = injection_length(fragments, self.fingerprint, limit)

@@ -111,7 +111,7 @@ def parse_seq_state(blob: bytes | bytearray | memoryview, *, n_layer: int, n_emb
     for il in range(n_layer):
         dt = _dtype(r.take("<i"), f"V of layer {il}")
         if v_trans:
-            if (el := r.take("<I")) != dt.itemsize or (w := r.take("<I")) != n_embd_v:
+            if r.take("<I") != dt.itemsize or r.take("<I") != n_embd_v:
                 raise UnsupportedLayout(f"V of layer {il}: unexpected element size/width")
             values.append(r.array(dt, n * n_embd_v).reshape(n_embd_v, n).T)
         else:

@@ -22,7 +22,8 @@ import numpy as np
 from ..errors import EngineError, IncompatibleFragment
 from ..fragment import KVFragment
 from ..keys import ModelFingerprint, file_sha256
-from .base import EngineCounters, FragmentSpec, aligned_batches, injection_length, stack_prefix
+from .base import (EngineCounters, FragmentSpec, aligned_batches, build_fragments, check_prefill,
+                   injection_length, stack_prefix)
 from .hf import HFTokenizerAdapter
 from .layout import from_head_major, to_head_major
 from .models import resolve_model
@@ -127,10 +128,7 @@ class OnnxAdapter(HFTokenizerAdapter):
         self._v = np.zeros(shape, np.float32)
 
     def prefill(self, tokens: Sequence[int], *, align: int) -> np.ndarray:
-        if not tokens:
-            raise EngineError("prefill needs at least one token")
-        if self.n_tokens + len(tokens) > self._n_ctx:
-            raise EngineError(f"{self.n_tokens + len(tokens)} tokens exceed the context ({self._n_ctx})")
+        check_prefill(self.n_tokens, len(tokens), self._n_ctx)
         toks, base = list(tokens), self.n_tokens
         logits = None
         for lo, hi in aligned_batches(base, len(toks), align):
@@ -143,22 +141,11 @@ class OnnxAdapter(HFTokenizerAdapter):
         return np.asarray(logits[0], np.float32).copy()
 
     def extract_fragments(self, specs: Sequence[FragmentSpec]) -> list[KVFragment]:
-        fp = self.fingerprint
-        out = []
-        for s in specs:
-            if s.token_end > self.n_tokens:
-                raise EngineError(f"cannot extract up to {s.token_end}: engine holds {self.n_tokens}")
-            le = fp.n_layer if s.layer_end is None else s.layer_end
-            tok = slice(s.token_start, s.token_end)
-            layers = range(s.layer_start, le, s.layer_stride)
-            out.append(KVFragment(
-                model_fingerprint=fp.digest, chain_key=s.chain_key, token_start=s.token_start,
-                token_end=s.token_end, layer_start=s.layer_start, layer_end=le,
-                layer_stride=s.layer_stride, parent_key=s.parent_key, n_layer_model=fp.n_layer,
-                token_ids=np.asarray(self._ids[tok], np.int32),
-                keys=np.stack([from_head_major(self._k[li, 0, :, tok], is_key=True) for li in layers]),
-                values=np.stack([from_head_major(self._v[li, 0, :, tok], is_key=False) for li in layers])))
-        return out
+        def layer_kv(li: int, tok: slice) -> tuple[np.ndarray, np.ndarray]:
+            return (from_head_major(self._k[li, 0, :, tok], is_key=True),
+                    from_head_major(self._v[li, 0, :, tok], is_key=False))
+
+        return build_fragments(specs, self.fingerprint, self._ids, layer_kv)
 
     def inject_fragments(self, fragments: Sequence[KVFragment], limit: int | None = None) -> int:
         n = injection_length(fragments, self.fingerprint, limit)

@@ -19,7 +19,8 @@ import numpy as np
 from ..errors import EngineError, IncompatibleFragment
 from ..fragment import KVFragment
 from ..keys import ModelFingerprint, file_sha256
-from .base import EngineCounters, FragmentSpec, aligned_batches, injection_length, stack_prefix
+from .base import (EngineCounters, FragmentSpec, aligned_batches, build_fragments, check_prefill,
+                   injection_length, stack_prefix)
 from .hf import HFTokenizerAdapter
 from .layout import from_head_major, to_head_major
 from .models import resolve_model
@@ -73,10 +74,7 @@ class TorchAdapter(HFTokenizerAdapter):
 
     def prefill(self, tokens: Sequence[int], *, align: int) -> np.ndarray:
         torch = self._torch
-        if not tokens:
-            raise EngineError("prefill needs at least one token")
-        if self.n_tokens + len(tokens) > self._n_ctx:
-            raise EngineError(f"{self.n_tokens + len(tokens)} tokens exceed the context ({self._n_ctx})")
+        check_prefill(self.n_tokens, len(tokens), self._n_ctx)
         from transformers import DynamicCache
 
         toks, base = list(tokens), self.n_tokens
@@ -96,27 +94,12 @@ class TorchAdapter(HFTokenizerAdapter):
         return logits.float().numpy().copy()
 
     def extract_fragments(self, specs: Sequence[FragmentSpec]) -> list[KVFragment]:
-        fp = self.fingerprint
-        out = []
-        for s in specs:
-            if s.token_end > self.n_tokens:
-                raise EngineError(f"cannot extract up to {s.token_end}: engine holds {self.n_tokens}")
-            le = fp.n_layer if s.layer_end is None else s.layer_end
-            layers = range(s.layer_start, le, s.layer_stride)
-            ks, vs = [], []
-            for li in layers:
-                layer = self._cache.layers[li]
-                k = layer.keys[0, :, s.token_start : s.token_end].float().numpy()
-                v = layer.values[0, :, s.token_start : s.token_end].float().numpy()
-                ks.append(from_head_major(k, is_key=True))
-                vs.append(from_head_major(v, is_key=False))
-            out.append(KVFragment(
-                model_fingerprint=fp.digest, chain_key=s.chain_key, token_start=s.token_start,
-                token_end=s.token_end, layer_start=s.layer_start, layer_end=le,
-                layer_stride=s.layer_stride, parent_key=s.parent_key, n_layer_model=fp.n_layer,
-                token_ids=np.asarray(self._ids[s.token_start : s.token_end], np.int32),
-                keys=np.stack(ks).astype(np.float32), values=np.stack(vs).astype(np.float32)))
-        return out
+        def layer_kv(li: int, tok: slice) -> tuple[np.ndarray, np.ndarray]:
+            layer = self._cache.layers[li]
+            return (from_head_major(layer.keys[0, :, tok].float().numpy(), is_key=True),
+                    from_head_major(layer.values[0, :, tok].float().numpy(), is_key=False))
+
+        return build_fragments(specs, self.fingerprint, self._ids, layer_kv, np.float32)
 
     def inject_fragments(self, fragments: Sequence[KVFragment], limit: int | None = None) -> int:
         torch = self._torch
