@@ -7,6 +7,7 @@ dropped connection raises `TransportError`, and a frame that fails AES-GCM or de
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import secrets
@@ -52,7 +53,11 @@ class KVClient:
     def _conn(self) -> http.client.HTTPConnection:
         return http.client.HTTPConnection(self._host, self._port, timeout=self.timeout_s)
 
-    def _call(self, method: str, path: str, body: Any = None) -> Any:
+    @contextlib.contextmanager
+    def _exchange(self, method: str, path: str,
+                  body: Any = None) -> Iterator[http.client.HTTPResponse]:
+        """One request on a fresh connection (shaped, if a shaper is set); every socket or
+        HTTP failure inside comes out as StreamTimeout or TransportError."""
         conn = self._conn()
         try:
             if self.shaper:
@@ -60,14 +65,17 @@ class KVClient:
             data = None if body is None else json.dumps(body).encode()
             conn.request(method, path, body=data,
                          headers={"Content-Type": "application/json"} if data else {})
-            resp = conn.getresponse()
-            payload = resp.read()
+            yield conn.getresponse()
         except socket.timeout as e:
-            raise StreamTimeout(f"KV server {self.url} did not answer {path} in {self.timeout_s}s") from e
+            raise StreamTimeout(f"KV server {self.url} {path}: no progress in {self.timeout_s}s") from e
         except (OSError, http.client.HTTPException) as e:
-            raise TransportError(f"KV server {self.url} unreachable ({path}): {e}") from e
+            raise TransportError(f"KV server {self.url} {path} failed: {e}") from e
         finally:
             conn.close()
+
+    def _call(self, method: str, path: str, body: Any = None) -> Any:
+        with self._exchange(method, path, body) as resp:
+            payload = resp.read()
         if resp.status != 200:
             raise TransportError(f"KV server {path} answered {resp.status}: {payload[:200]!r}")
         try:
@@ -101,15 +109,9 @@ class KVClient:
             self.open_session()
         sid, cipher = self._session, self._cipher
         assert sid is not None and cipher is not None
-        conn = self._conn()
         t0 = time.perf_counter()
-        try:
-            if self.shaper:
-                self.shaper.on_request()
-            conn.request("POST", "/v1/chunks", body=json.dumps(
-                {"session": sid, "keys": list(keys), "codec": codec}).encode(),
-                headers={"Content-Type": "application/json"})
-            resp = conn.getresponse()
+        with self._exchange("POST", "/v1/chunks",
+                            {"session": sid, "keys": list(keys), "codec": codec}) as resp:
             if resp.status == 403:
                 self._session = None
                 raise TransportError("KV server rejected the session; a new one is opened next time")
@@ -128,12 +130,6 @@ class KVClient:
                 if frag.chain_key != key:
                     raise ChunkRejected(f"server sent chunk {frag.chain_key[:12]} for {key[:12]}")
                 yield Received(key, frag, len(head) + length, time.perf_counter() - t0)
-        except socket.timeout as e:
-            raise StreamTimeout(f"KV stream stalled for {self.timeout_s}s") from e
-        except (OSError, http.client.HTTPException) as e:
-            raise TransportError(f"KV stream broke: {e}") from e
-        finally:
-            conn.close()
 
     def _read(self, resp: http.client.HTTPResponse, n: int) -> bytes:
         buf = bytearray()
