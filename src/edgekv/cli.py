@@ -51,14 +51,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             from .chat import render_chat
 
             msgs = ([{"role": "system", "content": args.system}] if args.system else [])
-            template = getattr(kv.adapter, "chat_template", lambda: None)()
-            if template is None:  # the torch engine: take the template from the GGUF via llama.cpp
-                from .engines.llamacpp import LlamaCppAdapter
-
-                probe = LlamaCppAdapter(args.model, n_ctx=64)
-                template = probe.chat_template()
-                probe.close()
-            prompt = render_chat(template, msgs + [{"role": "user", "content": prompt}])
+            prompt = render_chat(kv.adapter.chat_template(),  # type: ignore[attr-defined]
+                                 msgs + [{"role": "user", "content": prompt}])
         r = kv.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature,
                         seed=args.seed, use_cache=not args.no_cache)
     finally:

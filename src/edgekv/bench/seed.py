@@ -79,13 +79,7 @@ def run_seed_bench(*, requests: list[Request] | None = None, n_requests: int = 1
         strict.prefetcher = Prefetcher(strict.warm_chain)  # n-gram prefetch, hit rate reported
         modes["edgekv_strict"] = EdgeKVMode(strict, min_reuse, approximate=False)
         modes["edgekv_approx"] = EdgeKVMode(edgekv("approx", True), min_reuse, approximate=True)
-        template = getattr(adapter, "chat_template", lambda: None)()
-        if template is None:
-            from ..engines.llamacpp import LlamaCppAdapter
-
-            probe = LlamaCppAdapter(model, n_ctx=64)
-            template = probe.chat_template()
-            probe.close()
+        template = adapter.chat_template()  # type: ignore[attr-defined]
         meter = EnergyMeter()
         results: dict[str, list[tuple[Outcome, float, float]]] = defaultdict(list)
         t0 = time.perf_counter()

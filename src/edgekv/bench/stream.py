@@ -11,6 +11,7 @@ it, labelled as such. Energy is estimated (CPU time x power + received bytes x r
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -21,6 +22,14 @@ from typing import Any
 
 import numpy as np
 
+from ..cache import EdgeKV
+from ..config import CacheConfig
+from ..energy import CPU_W_PER_BUSY_CORE
+from ..store import open_store
+from ..stream.client import KVClient
+from ..stream.costmodel import RADIO_J_PER_BYTE, RADIO_W_ACTIVE, CostModel
+from ..stream.hybrid import HybridLoader
+from ..stream.netem import Shaper
 from .report import environment, table
 from .texts import MANUAL, SYSTEM_PROMPT
 
@@ -45,15 +54,7 @@ def run_stream_bench(*, model: str | None = None, bandwidths: tuple[float, ...] 
                      rtts: tuple[float, ...] = (10, 80), contexts: tuple[int, ...] = (512, 1024),
                      stream_deadline_s: float = 40.0, max_tokens: int = 8,
                      progress: Any = None) -> dict[str, Any]:
-    from ..cache import EdgeKV
-    from ..config import CacheConfig
-    from ..energy import CPU_W_PER_BUSY_CORE
     from ..engines.llamacpp import LlamaCppAdapter
-    from ..store import open_store
-    from ..stream.client import KVClient
-    from ..stream.costmodel import RADIO_J_PER_BYTE, RADIO_W_ACTIVE, CostModel
-    from ..stream.hybrid import HybridLoader
-    from ..stream.netem import Shaper
 
     tmp = tempfile.TemporaryDirectory(prefix="edgekv-stream-")
     root = Path(tmp.name)
@@ -81,9 +82,7 @@ def run_stream_bench(*, model: str | None = None, bandwidths: tuple[float, ...] 
             for rtt in rtts:
                 for n, p in prompts.items():
                     point = _point(adapter, url, secret, p, colds[n], bw, rtt, base_cost,
-                                   stream_deadline_s, max_tokens, root, EdgeKV, CacheConfig,
-                                   open_store, KVClient, CostModel, HybridLoader, Shaper,
-                                   CPU_W_PER_BUSY_CORE, (RADIO_J_PER_BYTE, RADIO_W_ACTIVE))
+                                   stream_deadline_s, max_tokens, root)
                     point["context_tokens"] = n
                     points.append(point)
                     if progress:
@@ -102,11 +101,10 @@ def run_stream_bench(*, model: str | None = None, bandwidths: tuple[float, ...] 
             "environment": environment()}
 
 
-def _point(adapter, url, secret, prompt, cold, bw, rtt, base_cost, deadline, max_tokens, root,  # type: ignore[no-untyped-def]
-           EdgeKV, CacheConfig, open_store, KVClient, CostModel, HybridLoader, Shaper,
-           cpu_w, radio_j):
-    import copy
-
+def _point(adapter: Any, url: str, secret: bytes, prompt: list[int], cold: tuple[Any, Any],
+           bw: float, rtt: float, base_cost: CostModel, deadline: float, max_tokens: int,
+           root: Path) -> dict[str, Any]:
+    """One sweep point: a link probe, then local, stream and hybrid from empty caches."""
     out: dict[str, Any] = {"bandwidth_mbps": bw, "rtt_ms": rtt, "ttft_ms": {}, "energy_j": {},
                            "wire_bytes": {}, "chunks": {}, "predicted_ms": {}}
     same = []
@@ -143,8 +141,8 @@ def _point(adapter, url, secret, prompt, cold, bw, rtt, base_cost, deadline, max
         cpu = time.process_time() - c0
         kv.close()
         out["ttft_ms"][strategy] = round(r.ttft_s * 1000, 1)
-        j_byte, w_radio = radio_j
-        out["energy_j"][strategy] = round(cpu * cpu_w + r.wire_bytes * j_byte + r.stream_s * w_radio, 3)
+        out["energy_j"][strategy] = round(cpu * CPU_W_PER_BUSY_CORE + r.wire_bytes * RADIO_J_PER_BYTE
+                                          + r.stream_s * RADIO_W_ACTIVE, 3)
         out["wire_bytes"][strategy] = r.wire_bytes
         out["chunks"][strategy] = {"streamed": r.streamed_chunks, "computed": r.computed_chunks,
                                    "replans": r.replans, "fallback": r.fallback}

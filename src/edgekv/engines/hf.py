@@ -24,5 +24,10 @@ class HFTokenizerAdapter(SequenceAdapter):
             ids = [bos] + ids
         return ids
 
+    def chat_template(self) -> str | None:
+        """The GGUF's chat template, as the tokenizer read it."""
+        tpl = getattr(self._tok, "chat_template", None)
+        return str(tpl) if tpl else None
+
     def detokenize(self, tokens: Sequence[int]) -> str:
         return str(self._tok.decode(list(tokens), skip_special_tokens=True))
