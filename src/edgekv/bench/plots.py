@@ -9,22 +9,36 @@ from .report import table
 
 __all__ = ["seed_table", "write_seed_report"]
 
-LABELS = {"nocache": "no cache", "string": "string cache", "llama_ram_cache": "LlamaRAMCache",
-          "edgekv_strict": "EdgeKV strict", "edgekv_approx": "EdgeKV approx"}
+LABELS = {"plain": "llama-cpp plain", "nocache": "no cache", "string": "string cache",
+          "llama_ram_cache": "LlamaRAMCache", "edgekv_strict": "EdgeKV strict",
+          "edgekv_chunk": "EdgeKV whole chunks",
+          "edgekv_approx": "EdgeKV approx"}
+
+
+def _share(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
 
 
 def seed_table(res: dict[str, Any]) -> str:
+    """One row per mode. `fidelity` is against the mode's own cache-off run, `vs plain`
+    against plain llama-cpp-python (see the results' `fidelity_reference`)."""
+    refs = res.get("fidelity_reference", {}).get("by_mode", {})
     rows = []
     for name, m in res["modes"].items():
+        reused, computed = m["reused_tokens"], m["computed_tokens"]
+        fid = _share(m["fidelity"])
         rows.append([
             LABELS.get(name, name), f"{m['ttft_ms_mean']:.0f}", f"{m['ttft_ms_p50']:.0f}",
             f"{m['ttft_ms_p95']:.0f}", f"{m['ttft_speedup_vs_nocache']:.2f}x",
-            f"{100 * m['hit_rate']:.1f}%", f"{m['reused_tokens']}/{m['reused_tokens'] + m['computed_tokens']}",
-            f"{100 * m['fidelity']:.1f}%", f"{100 * m['memory_traffic_ratio']:.1f}%",
+            f"{m['total_ms_mean']:.0f}" if "total_ms_mean" in m else "-",
+            f"{100 * m['hit_rate']:.1f}%", f"{reused}/{reused + computed}",
+            f"{fid} ({refs[name]})" if name in refs else fid,
+            _share(m.get("fidelity_vs_plain")), f"{100 * m['memory_traffic_ratio']:.1f}%",
             f"{m['energy_j']:.1f} J / {m['energy_mah']:.3f} mAh ({m['energy_source']})",
         ])
-    return table(["mode", "TTFT mean ms", "p50", "p95", "vs no cache", "hit rate",
-                  "reused/prompt tokens", "fidelity", "mem traffic", "energy"], rows)
+    return table(["mode", "TTFT mean ms", "p50", "p95", "vs no cache", "total ms",
+                  "hit rate", "reused/prompt tokens", "fidelity (vs)", "vs plain",
+                  "mem traffic", "energy"], rows)
 
 
 def _plots(res: dict[str, Any], out: Path, stem: str) -> list[str]:

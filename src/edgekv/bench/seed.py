@@ -1,13 +1,17 @@
 """`edgekv bench seed`: the EdgeSync seed's experiment on the real engine, against real peers.
 
 Same requests, same engine weights, one run, modes interleaved request by request (the order
-rotating) so that drift of the machine hits every mode alike: no cache, naive string cache,
-llama-cpp-python's `LlamaRAMCache`, EdgeKV strict, EdgeKV approximate. Fidelity compares each
-mode's first greedy tokens with the no-cache run of the same request.
+rotating) so that drift of the machine hits every mode alike: plain llama-cpp-python, no
+cache, naive string cache, llama-cpp-python's `LlamaRAMCache`, EdgeKV strict, EdgeKV
+approximate. The reference (plain, or no cache where plain is not available) runs first on
+every request: chat workloads put its answers into the later turns' history. Fidelity
+compares each mode's first greedy tokens with its own system's cache-off run of the same
+request, and separately with plain llama-cpp-python's (`fidelity_reference`).
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import tempfile
@@ -20,14 +24,31 @@ from ..cache import EdgeKV
 from ..chat import render_chat
 from ..config import CacheConfig
 from ..energy import EnergyMeter, joules_to_mah
+from ..errors import ConfigError
 from ..store import open_store
-from .modes import EdgeKVMode, LlamaRAMCacheMode, NoCacheMode, Outcome, StringMode
+from .modes import (EdgeKVMode, LlamaRAMCacheMode, NoCacheMode, Outcome, PlainMode,
+                    StringMode)
 from .report import environment
-from .workload import Request, render, seed_workload, unique_prompts
+from .workload import ChatHistory, Request, load_workload, render, unique_prompts
 
-__all__ = ["MODES", "run_seed_bench"]
+__all__ = ["MODES", "REFERENCE", "run_seed_bench"]
 
-MODES = ("nocache", "string", "llama_ram_cache", "edgekv_strict", "edgekv_approx")
+MODES = ("plain", "nocache", "string", "llama_ram_cache", "edgekv_strict", "edgekv_chunk",
+         "edgekv_approx")
+# each system's own cache-off run: what its cache must reproduce (the `fidelity` column)
+REFERENCE = {"plain": "plain", "nocache": "nocache", "string": "nocache",
+             "llama_ram_cache": "plain", "edgekv_strict": "nocache", "edgekv_chunk": "nocache",
+             "edgekv_approx": "nocache"}
+FIDELITY_REFERENCE = {
+    "fidelity": "text equal to the same system's own cache-off run of the same prompt: EdgeKV "
+                "modes and the string cache against nocache (EdgeKV with use_cache=False, "
+                "chunk-aligned prefill), llama_ram_cache against plain",
+    "fidelity_vs_plain": "text equal to plain llama-cpp-python's with no cache (default "
+                         "n_batch, context reset before every request): what a user gets "
+                         "without any cache; null where plain did not run (engine not llamacpp)",
+}
+
+Rows = list[tuple[Outcome, float, float]]  # (outcome, CPU seconds, joules) per request
 
 
 def _progress(i: int, n: int, t0: float) -> None:
@@ -39,58 +60,103 @@ def _progress(i: int, n: int, t0: float) -> None:
           end="" if i < n else "\n", file=sys.stderr, flush=True)
 
 
+def _open_modes(adapter: Any, engine: str, n_ctx: int, threads: int, root: Path,
+                embedder: Any, kvs: list[EdgeKV], modes: dict[str, Any]) -> EdgeKV:
+    """Fill `modes` (and `kvs`, to close) as they open, so a failure closes what is open.
+    Returns the strict EdgeKV, whose prefetcher is reported."""
+    from .. import open_router
+    from ..prefetch import Prefetcher
+
+    min_reuse = CacheConfig().min_reuse_tokens
+    model_path, kvpt = str(adapter.model_path), adapter.fingerprint.kv_bytes_per_token
+
+    def edgekv(name: str, granularity: str = "auto") -> EdgeKV:
+        cfg = CacheConfig(cache_dir=root / name, reuse_granularity=granularity)
+        store = open_store(cfg)
+        kv = EdgeKV(adapter, store, cfg, router=open_router(embedder, store, cfg))
+        kvs.append(kv)
+        return kv
+
+    if engine == "llamacpp":  # llama-cpp-python runs llama.cpp only
+        modes["plain"] = PlainMode(model_path, n_ctx, threads, adapter.weight_bytes, kvpt)
+    cold_cfg = CacheConfig(cache_dir=root / "cold")
+    cold = EdgeKV(adapter, open_store(cold_cfg), cold_cfg)
+    kvs.append(cold)
+    modes["nocache"] = NoCacheMode(cold, min_reuse)
+    modes["string"] = StringMode(cold, min_reuse)
+    if engine == "llamacpp":
+        modes["llama_ram_cache"] = LlamaRAMCacheMode(
+            model_path, n_ctx, min_reuse, adapter.weight_bytes, kvpt, n_threads=threads)
+    strict = edgekv("strict")
+    strict.prefetcher = Prefetcher(strict.warm_chain)  # n-gram prefetch, hit rate reported
+    modes["edgekv_strict"] = EdgeKVMode(strict, min_reuse, approximate=False)
+    # strict reuse of whole chunks only: what EdgeKV did before the batch-invariance probe
+    # (and still does where the probe fails), side by side with the probe's choice
+    modes["edgekv_chunk"] = EdgeKVMode(edgekv("chunk", "chunk"), min_reuse, approximate=False,
+                                       name="edgekv_chunk")
+    modes["edgekv_approx"] = EdgeKVMode(edgekv("approx"), min_reuse, approximate=True)
+    return strict
+
+
+def _prepare(req: Request, history: ChatHistory, adapter: Any, template: str | None,
+             n_ctx: int) -> tuple[Request, str, list[int]]:
+    """The prompt every mode answers. A conversation that no longer fits the context window
+    starts afresh at this turn, as a chat front end would."""
+    filled = history.fill(req)
+    text = render(filled, template, render_chat)
+    tokens = adapter.tokenize(text)
+    if len(tokens) + req.max_tokens > n_ctx and req.conversation is not None and req.turn:
+        filled = history.restart(req)
+        text = render(filled, template, render_chat)
+        tokens = adapter.tokenize(text)
+    if len(tokens) + req.max_tokens > n_ctx:
+        raise ConfigError(f"a request needs {len(tokens) + req.max_tokens} tokens "
+                          f"({req.cluster}); raise --n-ctx above {n_ctx}")
+    return filled, text, tokens
+
+
 def run_seed_bench(*, requests: list[Request] | None = None, n_requests: int = 1000,
                    seed: int = 0, model: str | None = None, n_ctx: int = 2048,
-                   max_tokens: int = 16, progress: bool = True,
-                   engine: str = "llamacpp") -> dict[str, Any]:
-    from .. import open_router
+                   max_tokens: int | None = None, progress: bool = True,
+                   engine: str = "llamacpp", workload: str = "seed") -> dict[str, Any]:
+    """Run `requests`, or the `workload` generated by name (`seed`, `chat`), on every mode.
+
+    `workload` is recorded in the results either way; `max_tokens` defaults per workload.
+    """
     from ..engines import open_adapter
     from ..semantic import MiniLMEmbedder
 
-    reqs = requests if requests is not None else seed_workload(n_requests, seed=seed,
-                                                                max_tokens=max_tokens)
+    if requests is None:
+        workload, reqs = load_workload(workload, requests=n_requests, seed=seed,
+                                       max_tokens=max_tokens)
+    else:
+        reqs = requests
     tmp = tempfile.TemporaryDirectory(prefix="edgekv-seed-")
     root = Path(tmp.name)
-    adapter = open_adapter(engine, model, n_ctx=n_ctx, memo_dir=root)
-    embedder = MiniLMEmbedder(root)
-    min_reuse = CacheConfig().min_reuse_tokens
-    kvs = []
+    adapter = open_adapter(engine, model, n_ctx=n_ctx, n_threads=os.cpu_count() or 1,
+                           memo_dir=root)
+    # every llama.cpp instance gets the adapter's threads, for decode and prefill alike
+    threads = int(getattr(adapter, "n_threads", None) or os.cpu_count() or 1)
+    kvs: list[EdgeKV] = []
     modes: dict[str, Any] = {}
     try:
-        def edgekv(name: str, approximate: bool) -> EdgeKV:
-            cfg = CacheConfig(cache_dir=root / name)
-            store = open_store(cfg)
-            kv = EdgeKV(adapter, store, cfg, router=open_router(embedder, store, cfg))
-            kvs.append(kv)
-            return kv
-
-        plain_cfg = CacheConfig(cache_dir=root / "plain")
-        plain = EdgeKV(adapter, open_store(plain_cfg), plain_cfg)
-        kvs.append(plain)
-        modes["nocache"] = NoCacheMode(plain, min_reuse)
-        modes["string"] = StringMode(plain, min_reuse)
-        if engine == "llamacpp":  # llama-cpp-python's own cache exists for llama.cpp only
-            modes["llama_ram_cache"] = LlamaRAMCacheMode(
-                str(adapter.model_path), n_ctx, min_reuse, adapter.weight_bytes,
-                adapter.fingerprint.kv_bytes_per_token)
-        strict = edgekv("strict", False)
-        from ..prefetch import Prefetcher
-
-        strict.prefetcher = Prefetcher(strict.warm_chain)  # n-gram prefetch, hit rate reported
-        modes["edgekv_strict"] = EdgeKVMode(strict, min_reuse, approximate=False)
-        modes["edgekv_approx"] = EdgeKVMode(edgekv("approx", True), min_reuse, approximate=True)
+        strict = _open_modes(adapter, engine, n_ctx, threads, root, MiniLMEmbedder(root),
+                             kvs, modes)
         template = adapter.chat_template()  # type: ignore[attr-defined]
+        ref = "plain" if "plain" in modes else "nocache"
+        others = tuple(m for m in MODES if m in modes and m != ref)
+        history = ChatHistory()
         meter = EnergyMeter()
-        results: dict[str, list[tuple[Outcome, float, float]]] = defaultdict(list)
+        results: dict[str, Rows] = defaultdict(list)
+        filled_reqs: list[Request] = []
+        prompt_tokens: list[int] = []
         t0 = time.perf_counter()
         for i, req in enumerate(reqs):
-            text = render(req, template, render_chat)
-            tokens = adapter.tokenize(text)
-            if len(tokens) + req.max_tokens > n_ctx:
-                raise ValueError(f"request {i} needs {len(tokens) + req.max_tokens} tokens; "
-                                 f"raise --n-ctx above {n_ctx}")
-            names = tuple(m for m in MODES if m in modes)
-            order = names[i % len(names):] + names[: i % len(names)]
+            filled, text, tokens = _prepare(req, history, adapter, template, n_ctx)
+            filled_reqs.append(filled)
+            prompt_tokens.append(len(tokens))
+            # the reference first (chat history needs its answer), then the rest rotating
+            order = (ref, *others[i % len(others):], *others[: i % len(others)])
             for name in order:
                 meter.start()
                 c0 = time.process_time()
@@ -98,23 +164,45 @@ def run_seed_bench(*, requests: list[Request] | None = None, n_requests: int = 1
                 cpu = time.process_time() - c0
                 energy = meter.stop(cpu, out.traffic_bytes)
                 results[name].append((out, cpu, energy.joules))
+            history.record(req, results[ref][-1][0].text)
             if progress:
                 _progress(i + 1, len(reqs), t0)
         energy_source = meter.source
         energy_method = meter.stop(0.0, 0.0).method if energy_source == "estimated" else (
             "RAPL or battery probe")
-        res = _summarise(reqs, results, energy_source, energy_method, adapter,
+        res = _summarise(filled_reqs, results, energy_source, energy_method, adapter,
                          time.perf_counter() - t0)
-        strict.prefetcher.drain()  # type: ignore[attr-defined]
-        res["modes"]["edgekv_strict"]["prefetch"] = strict.prefetcher.stats()  # type: ignore[attr-defined]
+        res.update(_workload_info(workload, reqs, history, prompt_tokens, threads, ref))
+        # what the batch-invariance probe decided for this engine build, model and CPU
+        res["reuse_granularity"] = {
+            "edgekv_strict": strict.granularity, "edgekv_chunk": "chunk",
+            "reason": strict.granularity_reason,
+            "probe": strict.probe.to_json() if strict.probe is not None else None}
+        prefetcher: Any = strict.prefetcher
+        prefetcher.drain()
+        res["modes"]["edgekv_strict"]["prefetch"] = prefetcher.stats()
         return res
     finally:
         for kv in kvs:
             kv.close()
-        if "llama_ram_cache" in modes:
-            modes["llama_ram_cache"].close()
+        for name in ("plain", "llama_ram_cache"):
+            if name in modes:
+                modes[name].close()
         adapter.close()
         tmp.cleanup()
+
+
+def _workload_info(workload: str, reqs: list[Request], history: ChatHistory,
+                   prompt_tokens: list[int], threads: int, ref: str) -> dict[str, Any]:
+    return {
+        "workload": workload,
+        "conversations": len({r.conversation for r in reqs if r.conversation is not None}),
+        "conversation_restarts": history.restarts,
+        "history_from": ref,  # whose answers chat turns carry as the assistant's
+        "prompt_tokens_mean": round(statistics.fmean(prompt_tokens), 1),
+        "prompt_tokens_max": max(prompt_tokens),
+        "threads": threads,
+    }
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -122,15 +210,23 @@ def _pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
-def _summarise(reqs: list[Request], results: dict[str, list[tuple[Outcome, float, float]]],
-               energy_source: str, energy_method: str, adapter: Any, wall: float) -> dict[str, Any]:
+def _agreement(rows: Rows, ref: Rows | None) -> float | None:
+    """Share of requests whose text equals the reference run's of the same request."""
+    if not ref:
+        return None
+    same = [o.text == r.text for (o, _, _), (r, _, _) in zip(rows, ref)]
+    return round(sum(same) / len(same), 4)
+
+
+def _summarise(reqs: list[Request], results: dict[str, Rows], energy_source: str,
+               energy_method: str, adapter: Any, wall: float) -> dict[str, Any]:
     base = results["nocache"]
     base_traffic = sum(o.traffic_bytes for o, _, _ in base) or 1
     out: dict[str, Any] = {}
     for name in [m for m in MODES if results.get(m)]:
         rows = results[name]
         ttft = [o.ttft_s * 1000 for o, _, _ in rows]
-        same = [o.text == b.text for (o, _, _), (b, _, _) in zip(rows, base)]
+        total = [o.total_s * 1000 for o, _, _ in rows]
         tiers: dict[str, list[bool]] = defaultdict(list)
         for o, _, _ in rows:
             tiers[o.tier].append(o.hit)
@@ -141,6 +237,8 @@ def _summarise(reqs: list[Request], results: dict[str, list[tuple[Outcome, float
             "ttft_ms_mean": round(statistics.fmean(ttft), 3),
             "ttft_ms_p50": round(_pct(ttft, 0.5), 3),
             "ttft_ms_p95": round(_pct(ttft, 0.95), 3),
+            "total_ms_mean": round(statistics.fmean(total), 3),
+            "total_ms_p50": round(_pct(total, 0.5), 3),
             "hit_rate": round(sum(o.hit for o, _, _ in rows) / len(rows), 4),
             "hit_rate_by_tier": {t: {"requests": len(h), "share": round(len(h) / len(rows), 4),
                                      "hit_rate": round(sum(h) / len(h), 4)}
@@ -148,7 +246,8 @@ def _summarise(reqs: list[Request], results: dict[str, list[tuple[Outcome, float
             "reused_tokens": sum(o.reused for o, _, _ in rows),
             "computed_tokens": sum(o.computed for o, _, _ in rows),
             "approximate_requests": sum(o.approximate for o, _, _ in rows),
-            "fidelity": round(sum(same) / len(same), 4),
+            "fidelity": _agreement(rows, results.get(REFERENCE[name]) or base),
+            "fidelity_vs_plain": _agreement(rows, results.get("plain")),
             "memory_traffic_bytes": traffic,
             "memory_traffic_ratio": round(traffic / base_traffic, 4),
             "cpu_s": round(sum(c for _, c, _ in rows), 3),
@@ -156,11 +255,14 @@ def _summarise(reqs: list[Request], results: dict[str, list[tuple[Outcome, float
             "energy_mah": round(joules_to_mah(joules), 4),
             "energy_source": energy_source,
             "ttft_ms": [round(x, 3) for x in ttft],
+            "total_ms": [round(x, 3) for x in total],
             "reused_per_request": [o.reused for o, _, _ in rows],
         }
-    nc = out["nocache"]["ttft_ms_mean"]
     for name in out:
-        out[name]["ttft_speedup_vs_nocache"] = round(nc / out[name]["ttft_ms_mean"], 3)
+        for ref in ("nocache", "plain"):
+            if ref in out:
+                out[name][f"ttft_speedup_vs_{ref}"] = round(
+                    out[ref]["ttft_ms_mean"] / out[name]["ttft_ms_mean"], 3)
     return {
         "bench": "seed",
         "requests": len(reqs),
@@ -168,12 +270,15 @@ def _summarise(reqs: list[Request], results: dict[str, list[tuple[Outcome, float
         "clusters": len({r.cluster for r in reqs}),
         "requests_per_cluster": dict(Counter(r.cluster for r in reqs).most_common()),
         "max_tokens": reqs[0].max_tokens,
-        "fidelity_tokens": "first max_tokens greedy tokens (text) equal to the no-cache run's",
+        "fidelity_tokens": "first max_tokens greedy tokens (text) equal to the reference run's",
+        "fidelity_reference": {**FIDELITY_REFERENCE, "by_mode": {
+            m: REFERENCE[m] if REFERENCE[m] in results else "nocache" for m in out}},
         "energy_source": energy_source,
         "energy_method": energy_method,
-        "memory_traffic_model": ("prefill up to the first token, per forward batch: weights once + KV written for its tokens + "
-                                 "KV read for every attended cell; plus KV bytes the cache reads "
-                                 "and writes (fragments or llama states). Counted, not sampled."),
+        "memory_traffic_model": ("prefill up to the first token, per forward batch: weights "
+                                 "once + KV written for its tokens + KV read for every attended "
+                                 "cell; plus KV bytes the cache reads and writes (fragments or "
+                                 "llama states). Counted, not sampled."),
         "model": adapter.model_path.name,
         "engine": adapter.fingerprint.engine,
         "wall_s": round(wall, 1),

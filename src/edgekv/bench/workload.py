@@ -1,4 +1,4 @@
-"""Workloads: the seed's experiment shape, or any request list from a JSONL file.
+"""Workloads: the seed's experiment shape, multi-turn chats, or any request list from a JSONL file.
 
 Seed (EdgeSync-LLM benchmark/runner.go): 8 semantic prompt clusters, 64 unique prompts with 4
 variants each, 1000 requests. Here each cluster is an assistant deployment with a shared long
@@ -6,6 +6,12 @@ context (system prompt + document or tool list, several hundred tokens) and shor
 a unique prompt is one user intent, its 4 variants are rewordings. Requests draw clusters and
 intents with Zipf-like popularity (a few contexts and questions dominate, as in real usage)
 and variants uniformly, from a seeded RNG, so a run is reproducible.
+
+Chat: a few users, each talking to one deployment (several users share one, so the long system
+prompt is shared across users too), each conversation growing turn by turn, the users' turns
+interleaved. A turn's prompt holds the model's own earlier answers, which exist only at run
+time: a chat request carries its conversation id and turn index, and `ChatHistory` fills the
+answers in as the benchmark produces them.
 """
 
 from __future__ import annotations
@@ -13,21 +19,32 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..errors import ConfigError
 
-__all__ = ["Request", "load_jsonl", "seed_workload"]
+__all__ = ["CHAT_MAX_TOKENS", "WORKLOADS", "ChatHistory", "Request", "chat_workload",
+           "load_jsonl", "load_workload", "parse_workload", "render", "seed_workload",
+           "unique_prompts", "with_history"]
+
+WORKLOADS = ("seed", "chat")  # generated workloads, by name; anything else is a JSONL path
+DEFAULT_REQUESTS = 1000  # the seed's run length
+SEED_MAX_TOKENS = 16  # enough greedy tokens to compare outputs (fidelity)
+CHAT_MAX_TOKENS = 48  # answers long enough that the model's own words make up the history
+CHAT_USERS = 6
+CHAT_TURNS = (3, 8)  # questions per conversation, at most one per intent of the deployment
 
 
 @dataclass(frozen=True, slots=True)
 class Request:
-    messages: tuple[tuple[str, str], ...] | None  # (role, content); rendered with the model's template
+    messages: tuple[tuple[str, str], ...] | None  # (role, content), rendered with the template
     prompt: str | None  # raw prompt text (JSONL workloads), used as is
     cluster: str
     intent: str
     max_tokens: int
+    conversation: str | None = None  # chat: the conversation this turn belongs to
+    turn: int = 0  # chat: index of this turn in its conversation (0 = first question)
 
 
 def _zipf(n: int, s: float = 1.0) -> list[float]:
@@ -36,7 +53,8 @@ def _zipf(n: int, s: float = 1.0) -> list[float]:
     return [x / total for x in w]
 
 
-def seed_workload(requests: int = 1000, *, seed: int = 0, max_tokens: int = 16) -> list[Request]:
+def seed_workload(requests: int = 1000, *, seed: int = 0,
+                  max_tokens: int = SEED_MAX_TOKENS) -> list[Request]:
     from .corpus import CLUSTERS
 
     if requests < 1:
@@ -55,7 +73,111 @@ def seed_workload(requests: int = 1000, *, seed: int = 0, max_tokens: int = 16) 
     return out
 
 
-def load_jsonl(path: str | Path, *, default_max_tokens: int = 16) -> list[Request]:
+# -- chat ----------------------------------------------------------------------------------
+
+
+def _conversation_plan(intents: Sequence[Sequence[str]], rng: random.Random,
+                       turns: tuple[int, int]) -> list[tuple[int, str]]:
+    """(intent index, wording) per turn: distinct intents, as a user asks new things."""
+    n = min(rng.randint(*turns), len(intents))
+    return [(i, rng.choice(intents[i])) for i in rng.sample(range(len(intents)), n)]
+
+
+def chat_workload(requests: int = 1000, *, seed: int = 0, max_tokens: int = CHAT_MAX_TOKENS,
+                  users: int = CHAT_USERS,
+                  turns: tuple[int, int] = CHAT_TURNS) -> list[Request]:
+    """`requests` chat turns of `users` users, interleaved by a seeded RNG.
+
+    Each request's messages are the system prompt and the user's questions so far; the
+    assistant answers between them are filled in at run time (`ChatHistory`). When a user's
+    conversation has asked all its questions, that user starts a new one.
+    """
+    from .corpus import CLUSTERS
+
+    if requests < 1 or users < 1 or max_tokens < 1:
+        raise ConfigError(f"requests={requests}, users={users} and max_tokens={max_tokens} "
+                          "must all be >= 1")
+    if not 1 <= turns[0] <= turns[1]:
+        raise ConfigError(f"turns={turns} must be (low, high) with 1 <= low <= high")
+    rng = random.Random(seed)
+    # half as many deployments as users: users share long system prompts, as on one device
+    deployments = rng.sample(CLUSTERS, k=max(1, min(len(CLUSTERS), users // 2)))
+    cluster_of = [deployments[u % len(deployments)] for u in range(users)]
+    plans: list[list[tuple[int, str]]] = [[] for _ in range(users)]
+    asked = [0] * users
+    sessions = [-1] * users
+    out = []
+    for _ in range(requests):
+        u = rng.randrange(users)
+        c = cluster_of[u]
+        if asked[u] == len(plans[u]):  # conversation over (or none yet): start a new one
+            plans[u], asked[u] = _conversation_plan(c.intents, rng, turns), 0
+            sessions[u] += 1
+        k = asked[u]
+        asked[u] += 1
+        questions = tuple(("user", q) for _, q in plans[u][: k + 1])
+        out.append(Request((("system", c.system), *questions), None, c.name,
+                           f"{c.name}/{plans[u][k][0]}", max_tokens,
+                           conversation=f"user{u}/conv{sessions[u]}", turn=k))
+    return out
+
+
+def with_history(req: Request, answers: Sequence[str], *, start: int = 0) -> Request:
+    """`req` with the assistant's `answers` to its earlier questions put between them.
+
+    Turns before `start` are left out (the conversation was restarted there because it no
+    longer fit the context window); `answers[i]` is the answer to question `i`.
+    """
+    if req.conversation is None or req.messages is None:
+        return req
+    if len(answers) < req.turn or not 0 <= start <= req.turn:
+        raise ValueError(f"{req.conversation} turn {req.turn}: needs {req.turn} earlier "
+                         f"answers from turn {start}, got {len(answers)}")
+    system = [m for m in req.messages if m[0] == "system"]
+    questions = [c for r, c in req.messages if r == "user"]
+    msgs = list(system)
+    for i in range(start, req.turn):
+        msgs += [("user", questions[i]), ("assistant", answers[i])]
+    msgs.append(("user", questions[req.turn]))
+    return replace(req, messages=tuple(msgs))
+
+
+class ChatHistory:
+    """The reference system's answers per conversation, recorded as the benchmark runs them."""
+
+    def __init__(self) -> None:
+        self._answers: dict[str, list[str]] = {}
+        self._start: dict[str, int] = {}
+        self.restarts = 0
+
+    def fill(self, req: Request) -> Request:
+        """The request every mode answers: `req` with its conversation's earlier answers."""
+        if req.conversation is None:
+            return req
+        answers = self._answers.get(req.conversation, [])
+        if len(answers) != req.turn:
+            raise ValueError(f"{req.conversation} turn {req.turn} arrived after "
+                             f"{len(answers)} answered turns; turns must come in order")
+        return with_history(req, answers, start=self._start.get(req.conversation, 0))
+
+    def restart(self, req: Request) -> Request:
+        """Start the conversation afresh at this turn (its history no longer fits)."""
+        if req.conversation is None:
+            return req
+        self._start[req.conversation] = req.turn
+        self.restarts += 1
+        return self.fill(req)
+
+    def record(self, req: Request, answer: str) -> None:
+        if req.conversation is not None:
+            # stripped as a chat front end stores it; the template adds its own separators
+            self._answers.setdefault(req.conversation, []).append(answer.strip())
+
+
+# -- files and names -----------------------------------------------------------------------
+
+
+def load_jsonl(path: str | Path, *, default_max_tokens: int = SEED_MAX_TOKENS) -> list[Request]:
     """One JSON object per line: `prompt` (string, required), optional `cluster`, `max_tokens`."""
     p = Path(path)
     out = []
@@ -82,10 +204,47 @@ def load_jsonl(path: str | Path, *, default_max_tokens: int = 16) -> list[Reques
     return out
 
 
+def parse_workload(spec: str | None) -> str | Path:
+    """A workload name (`seed`, the default, or `chat`) or the path of a JSONL file.
+
+    Names win over files of the same name; write `./chat` for a file called `chat`.
+    """
+    if spec is None or spec in WORKLOADS:
+        return spec or "seed"
+    p = Path(spec)
+    if p.is_file():
+        return p
+    raise ConfigError(f"--workload {spec!r} is neither a workload name "
+                      f"({', '.join(WORKLOADS)}) nor an existing JSONL file; pass one of the "
+                      "names or the path of a file with one {\"prompt\": ...} per line")
+
+
+def load_workload(spec: str | None, *, requests: int | None = None, seed: int = 0,
+                  max_tokens: int | None = None) -> tuple[str, list[Request]]:
+    """(name recorded in the results, requests) for `--workload`, `--requests`, `--max-tokens`.
+
+    Generated workloads have `requests` requests (default 1000); a file's list is cut to
+    `requests`. Without `max_tokens`, chat answers get `CHAT_MAX_TOKENS`, others 16.
+    """
+    kind = parse_workload(spec)
+    n = requests or DEFAULT_REQUESTS
+    if kind == "seed":
+        return "seed", seed_workload(n, seed=seed, max_tokens=max_tokens or SEED_MAX_TOKENS)
+    if kind == "chat":
+        return "chat", chat_workload(n, seed=seed, max_tokens=max_tokens or CHAT_MAX_TOKENS)
+    reqs = load_jsonl(kind, default_max_tokens=max_tokens or SEED_MAX_TOKENS)
+    return str(kind), reqs[:requests] if requests else reqs
+
+
 def render(req: Request, template: str | None, render_chat: object) -> str:
     if req.prompt is not None:
         return req.prompt
     assert req.messages is not None
+    roles = [r for r, _ in req.messages]
+    if any(a == b == "user" for a, b in zip(roles, roles[1:])):
+        # two user turns in a row: the answers between them were never filled in
+        raise ValueError(f"{req.conversation} turn {req.turn}: fill the chat history first "
+                         "(ChatHistory.fill)")
     msgs = [{"role": r, "content": c} for r, c in req.messages]
     return render_chat(template, msgs)  # type: ignore[operator]
 
