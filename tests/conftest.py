@@ -32,7 +32,9 @@ def fragment_factory():
 
 @pytest.fixture
 def fake_cache(tmp_path: Path) -> EdgeKV:
-    cfg = CacheConfig(chunk_size=64, cache_dir=tmp_path)
+    """Whole-chunk reuse (what an engine that fails the batch-invariance probe gets); the
+    token-granular path has its own tests in test_granularity.py."""
+    cfg = CacheConfig(chunk_size=64, cache_dir=tmp_path, reuse_granularity="chunk")
     kv = EdgeKV(FakeAdapter(), open_store(cfg), cfg)
     yield kv
     kv.store.close()

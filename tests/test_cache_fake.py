@@ -48,7 +48,8 @@ def test_at_least_one_token_is_computed(fake_cache):
 
 
 def test_partial_reuse_cuts_a_stored_chunk(tmp_path):
-    cfg = CacheConfig(chunk_size=64, cache_dir=tmp_path, partial_reuse=True)
+    cfg = CacheConfig(chunk_size=64, cache_dir=tmp_path, partial_reuse=True,
+                      reuse_granularity="chunk")
     kv = EdgeKV(FakeAdapter(), open_store(cfg), cfg)
     tokens = list(range(1, 129))
     kv.generate(tokens, max_tokens=1)
@@ -84,7 +85,8 @@ def test_tampered_token_ids_are_rejected(fake_cache):
 
 
 def test_layer_split_fragments_reassemble(tmp_path):
-    cfg = CacheConfig(chunk_size=64, layers_per_fragment=3, cache_dir=tmp_path)
+    cfg = CacheConfig(chunk_size=64, layers_per_fragment=3, cache_dir=tmp_path,
+                      reuse_granularity="chunk")  # counts whole-chunk fragments
     kv = EdgeKV(FakeAdapter(n_layer=7), open_store(cfg), cfg)
     prompt = CONTEXT + "Q?"
     cold = kv.generate(prompt, max_tokens=4, use_cache=False)

@@ -37,7 +37,9 @@ def adapter():
 
 @pytest.fixture
 def kv(adapter, tmp_path):
-    cfg = CacheConfig(cache_dir=tmp_path)
+    """Whole-chunk reuse, forced (the path of engines that fail the batch-invariance probe);
+    reuse that ends at any token is tested in test_real_granularity.py."""
+    cfg = CacheConfig(cache_dir=tmp_path, reuse_granularity="chunk")
     k = EdgeKV(adapter, open_store(cfg), cfg)
     yield k
     k.store.close()
@@ -107,7 +109,7 @@ def test_damaged_or_foreign_disk_entry_is_a_miss(adapter, tmp_path, damage):
     from edgekv.serial import decode_fragment, encode_fragment
     import dataclasses
 
-    cfg = CacheConfig(cache_dir=tmp_path)
+    cfg = CacheConfig(cache_dir=tmp_path, reuse_granularity="chunk")
     prompt = context_tokens(adapter, 400) + adapter.tokenize(" Answer:", add_bos=False)
     kv = EdgeKV(adapter, open_store(cfg), cfg)
     cold = kv.generate(prompt, max_tokens=8)
@@ -139,7 +141,7 @@ def test_quantized_kv_cache_is_refused():
 def test_flash_attention_layout_also_reuses_exactly(tmp_path):
     a = LlamaCppAdapter(MODEL, n_ctx=1024, flash_attn=True)
     try:
-        cfg = CacheConfig(cache_dir=tmp_path)
+        cfg = CacheConfig(cache_dir=tmp_path, reuse_granularity="chunk")
         kv = EdgeKV(a, open_store(cfg), cfg)
         prompt = context_tokens(a, 300) + a.tokenize(" Answer:", add_bos=False)
         cold = kv.generate(prompt, max_tokens=8, use_cache=False)

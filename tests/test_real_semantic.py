@@ -62,7 +62,7 @@ def chat(adapter, q):
 
 
 def test_paraphrase_reuses_verified_prefix_with_cold_identical_output(adapter, embedder, tmp_path):
-    cfg = CacheConfig(cache_dir=tmp_path)
+    cfg = CacheConfig(cache_dir=tmp_path, reuse_granularity="chunk")
     store = open_store(cfg)
     kv = EdgeKV(adapter, store, cfg, router=open_router(embedder, store, cfg))
     kv.generate(chat(adapter, "How long does the hub take to start?"), max_tokens=4)
@@ -83,7 +83,7 @@ def test_paraphrase_reuses_verified_prefix_with_cold_identical_output(adapter, e
 
 
 def test_partial_reuse_is_token_verified_but_not_claimed_exact(adapter, embedder, tmp_path):
-    cfg = CacheConfig(cache_dir=tmp_path, partial_reuse=True)
+    cfg = CacheConfig(cache_dir=tmp_path, partial_reuse=True, reuse_granularity="chunk")
     store = open_store(cfg)
     kv = EdgeKV(adapter, store, cfg, router=open_router(embedder, store, cfg))
     kv.generate(chat(adapter, "How long does the hub take to start?"), max_tokens=4)

@@ -15,6 +15,7 @@ CONTEXT = ("System: you are the assistant of the Lumen hub. Manual: the hub conn
 
 
 def make(tmp_path, **cfg):
+    cfg.setdefault("reuse_granularity", "chunk")  # these tests are about whole-chunk reuse
     config = CacheConfig(chunk_size=64, cache_dir=tmp_path, **cfg)
     store = open_store(config)
     router = open_router(HashEmbedder(), store, config)

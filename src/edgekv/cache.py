@@ -1,8 +1,15 @@
 """The orchestrator: find reusable KV, inject it, prefill the rest, generate, store.
 
 Strict by default: KV is injected only where the model fingerprint, the chain of prefix keys
-and the token ids all match the request (see `lookup`), and prefill runs in chunk-aligned
-batches, so a warm request produces the same logits as a cold one. Approximate reuse (the
+and the token ids all match the request (see `lookup`), so a warm request produces the same
+logits as a cold one. How far reuse may go depends on the engine, measured once by the
+batch-invariance probe (`engines.probe`): where the engine computes the same numbers whatever
+the batch shape, reuse ends at any token (the longest verified common prefix with anything
+stored), prefill runs in one batch like a plain user of the engine, and the KV of trailing
+partial chunks and of generated tokens is stored for the next turn; the output then equals a
+plain cold run of the engine bit for bit. Where it does not, reuse is whole chunks and prefill
+runs in chunk-aligned batches, so a chunk's KV comes from the same batch shape warm or cold
+(the output equals EdgeKV's own aligned cold run). Approximate reuse (the
 EdgeSync seed's "inject on similarity") must be asked for, is labelled in every result, and
 never writes fragments: KV computed on top of another prompt's KV is not this prompt's KV.
 """
@@ -18,6 +25,7 @@ import numpy as np
 
 from .config import CacheConfig
 from .engines.base import FragmentSpec, KVAdapter
+from .engines.probe import ProbeResult, load_or_probe
 from .errors import EdgeKVError, EngineError, FragmentError, IncompatibleFragment, StoreError
 from .fragment import MAX_SPAN, MIN_SPAN, KVFragment, common_prefix, next_expiry
 from .keys import ChunkKey, chunk_keys, next_key
@@ -43,14 +51,17 @@ class PrefixMatch:
     route_s: float = 0.0
     rejections: tuple[str, ...] = ()
     route: object | None = field(default=None, repr=False)  # the semantic route, if computed
+    token_exact: bool = False  # the engine passed the batch-invariance probe
+
 
     @property
     def fragments(self) -> tuple[KVFragment, ...]:
         return tuple(f for c in self.chunks for f in c.fragments)
 
     def batch_exact(self, chunk_size: int) -> bool:
-        """Whole chunks of this request's own tokens: a warm run equals a cold one bit for bit."""
-        return not self.approximate and self.n_tokens % chunk_size == 0
+        """A warm run equals a cold one bit for bit: this request's own tokens, and either a
+        batch-invariant engine or whole chunks (computed by the same batch shape as cold)."""
+        return not self.approximate and (self.token_exact or self.n_tokens % chunk_size == 0)
 
     @property
     def source_tiers(self) -> tuple[str, ...]:
@@ -103,10 +114,37 @@ class EdgeKV:
         groups = [(lo, min(n_layer, lo + step)) for lo in range(0, n_layer, step)]
         self.reader = ChunkReader(store, self.fingerprint, n_layer, groups)
         self._unsaved = 0  # index additions not yet written to disk
+        self.probe: ProbeResult | None = None
+        self.granularity_reason = "configured: reuse_granularity=chunk"
+        if self.config.reuse_granularity == "auto":
+            try:
+                self.probe = load_or_probe(adapter, self.config.cache_dir / "probes")
+                self.granularity_reason = (
+                    "batch-invariance probe passed" if self.probe.invariant else
+                    "batch-invariance probe failed: " + ", ".join(self.probe.failed))
+            except EdgeKVError as e:  # e.g. a state layout the probe cannot read
+                log.warning("batch-invariance probe could not run (%s); whole-chunk reuse", e)
+                self.granularity_reason = f"batch-invariance probe could not run: {e}"
+        # reuse ends at any token, prefill runs in one batch, tails and answers are stored
+        self.token_exact = self.probe is not None and self.probe.invariant
+        if not self.token_exact:
+            log.info("reuse is whole %d-token chunks (%s)", self.config.chunk_size,
+                     self.granularity_reason)
         if router is not None and hasattr(store, "add_remove_listener"):
             store.add_remove_listener(self._on_store_remove)
 
     # -- public API ----------------------------------------------------------------------
+
+    @property
+    def granularity(self) -> str:
+        """"token": reuse ends at any token; "chunk": whole chunks only (see the module doc)."""
+        return "token" if self.token_exact else "chunk"
+
+    @property
+    def prefill_align(self) -> int:
+        """Batch boundaries for prefill: one batch where the engine is batch-invariant (as a
+        plain user runs it), else multiples of the chunk size."""
+        return self.adapter.n_ctx if self.token_exact else self.config.chunk_size
 
     def chunk_keys(self, tokens: Sequence[int]) -> list[ChunkKey]:
         return chunk_keys(self.fingerprint, tokens, self.config.chunk_size)
@@ -131,11 +169,11 @@ class EdgeKV:
         """What to restore for `tokens`: at most len(tokens) - 1 positions, so the first
         output token's logits are always computed. `keys`: the tokens' chunk keys, if known.
 
-        Strict reuse is the exact chain walk: whole chunks, so every batch the engine then
-        runs has the same shape as in a cold run and the logits are bit-identical. With
-        `partial_reuse` (or in approximate mode) the stored successors of the chain's last
-        chunks are compared token by token and a common prefix ending inside a chunk is
-        reused too (a radix step; token-verified, not batch-exact). Any KV valid for this
+        Strict reuse starts with the exact chain walk over whole chunks. On a batch-invariant
+        engine (and with `partial_reuse` or in approximate mode elsewhere) the stored
+        successors of the chain's last chunks are then compared token by token and a common
+        prefix ending inside a chunk is reused too (a radix step; token-verified, and exact
+        only where the engine is batch-invariant). Any KV valid for this
         request hangs off its own chain, so semantic search cannot find more; it is needed
         before the first token only in approximate mode (`text` is then embedded).
         """
@@ -146,9 +184,9 @@ class EdgeKV:
         rejections: list[str] = []
         chunks = self.cached_chunks(keys[: limit // c], now, rejections)
         n = len(chunks) * c
-        best = PrefixMatch(n, tuple(chunks), n)
+        best = PrefixMatch(n, tuple(chunks), n, token_exact=self.token_exact)
         ext = (self._successors(ids, chunks, limit, now, rejections)
-               if self.config.partial_reuse or approximate else None)
+               if self.config.partial_reuse or approximate or self.token_exact else None)
         if ext is not None:
             best = replace(best, n_tokens=ext[1], chunks=tuple(ext[0]))
         if approximate and self.router is not None and text is not None:
@@ -159,6 +197,7 @@ class EdgeKV:
                 approx = self._approximate(route.candidates[0][0], ids, limit, now, rejections)
                 if approx is not None and approx.n_tokens > best.n_tokens:
                     best = replace(approx, exact_tokens=n, tier=best.tier, route=route,
+                                   token_exact=self.token_exact,
                                    similarity=best.similarity, route_s=best.route_s)
         return replace(best, rejections=tuple(rejections))
 
@@ -185,10 +224,10 @@ class EdgeKV:
         t_lookup = time.perf_counter()
         cached = self._inject(match)
         if cached != match.n_tokens:
-            match = PrefixMatch(0, rejections=rejections)
+            match = PrefixMatch(0, rejections=rejections, token_exact=self.token_exact)
         t_inject = time.perf_counter()
         before = a.counters.snapshot()
-        logits = a.prefill(tokens[cached:], align=self.config.chunk_size)
+        logits = a.prefill(tokens[cached:], align=self.prefill_align)
         prefill_traffic = a.counters.since(before).traffic_bytes(
             getattr(a, "weight_bytes", 0), a.fingerprint.kv_bytes_per_token)
         t_first = time.perf_counter()  # choosing the first token from logits is ~20 us more
@@ -204,7 +243,12 @@ class EdgeKV:
         # KV computed on top of reuse that was not batch-exact is not what a cold run would
         # hold, so it is never stored (it would spread the difference to later requests)
         if store and use_cache and match.batch_exact(self.config.chunk_size):
-            stored, written = self.store_new(tokens, cached, keys, match.route)
+            seq, seq_keys = tokens, keys
+            if self.token_exact:  # the answer's KV too: the next turn's prompt holds it
+                held = a.token_ids  # prompt + answer, less the last sampled token
+                if len(held) > len(tokens) and held[: len(tokens)] == list(tokens):
+                    seq, seq_keys = held, self.chunk_keys(held)
+            stored, written = self.store_new(seq, cached, seq_keys, match.route)
         self._record_hits(match)
         if self.prefetcher is not None and use_cache:
             # a request's signature: its deepest full chunk, which names its context
@@ -261,7 +305,7 @@ class EdgeKV:
                 same = common_prefix(tok, ids[k0 * c : limit])
                 end = k0 * c + same
                 gain = end - max(start, best[0] if best else 0)
-                if gain >= self.config.min_reuse_tokens and gain > 0:
+                if gain > 0 and (gain >= self.config.min_reuse_tokens or self.token_exact):
                     best = (end, k0, skey.split(".", 1)[0])
         if best is None:
             return None
@@ -305,7 +349,7 @@ class EdgeKV:
             if (i + 1) * c > cached:
                 spans.append((key, keys[i - 1] if i else "", i * c, (i + 1) * c))
         tail = len(tokens) - len(keys) * c
-        if tail and (self.router is not None or self.config.partial_reuse):
+        if tail and (self.router is not None or self.config.partial_reuse or self.token_exact):
             # the tokens after the last full chunk, found again by semantic search and verified
             # token by token; a tail shorter than a fragment's minimum span is stored together
             # with the chunk before it (that chunk's KV is then held twice)

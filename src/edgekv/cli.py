@@ -96,14 +96,25 @@ def cmd_cache(args: argparse.Namespace) -> int:
         elif args.action == "sweep":
             print(f"removed {store.sweep()} expired fragments")
         else:
+            from .engines.probe import recorded_probes
+
             s = store.stats()
+            probes = recorded_probes(cfg.cache_dir / "probes")
             data = {"path": str(cfg.cache_dir / "store"), "entries": s.entries, "bytes": s.bytes,
-                    "capacity_bytes": s.capacity_bytes}
+                    "capacity_bytes": s.capacity_bytes,
+                    "probes": [{"engine": p.describe, "granularity": p.granularity,
+                                "invariant": p.invariant, "failed": list(p.failed),
+                                "probe_s": round(p.seconds, 2)} for p in probes]}
             if args.json:
                 print(json.dumps(data))
             else:
                 print(f"disk store {data['path']}: {s.entries} fragments, "
                       f"{s.bytes / 2**20:.1f} MiB of {s.capacity_bytes / 2**20:.0f} MiB")
+                for p in probes:
+                    how = ("reuse ends at any token (batch-invariant)" if p.invariant else
+                           "whole-chunk reuse: not batch-invariant under "
+                           + ", ".join(p.failed))
+                    print(f"engine {p.describe}: {how}")
     finally:
         store.close()
     return 0
@@ -118,13 +129,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.name == "seed":
         from .bench.plots import seed_table, write_seed_report
         from .bench.seed import run_seed_bench
-        from .bench.workload import load_jsonl
+        from .bench.workload import load_workload
 
-        reqs = load_jsonl(args.workload, default_max_tokens=args.max_tokens) if args.workload else None
-        if reqs is not None and args.requests:
-            reqs = reqs[: args.requests]
-        res = run_seed_bench(requests=reqs, n_requests=args.requests or 1000, seed=args.seed,
-                             model=args.model, n_ctx=args.n_ctx, max_tokens=args.max_tokens,
+        name, reqs = load_workload(args.workload, requests=args.requests, seed=args.seed,
+                                   max_tokens=args.max_tokens)
+        res = run_seed_bench(requests=reqs, workload=name, model=args.model, n_ctx=args.n_ctx,
                              engine=args.engine)
         print(seed_table(res))
         path = write_json(args.json or "bench-out/seed.json", res)
@@ -171,7 +180,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from .bench.reuse import reuse_table, run_reuse_bench
 
         res = run_reuse_bench(model=args.model, runs=args.runs, context_tokens=args.context_tokens,
-                              max_tokens=args.max_tokens, chunk_size=args.chunk_size or 128,
+                              max_tokens=args.max_tokens or 16, chunk_size=args.chunk_size or 128,
                               n_ctx=args.n_ctx, progress=progress, engine=args.engine)
         text = reuse_table(res)
     print(text)
@@ -208,6 +217,36 @@ def cmd_kv_server(args: argparse.Namespace) -> int:
         server.shutdown()
         store.close()
         adapter.close()
+    return 0
+
+
+def cmd_probe(args: argparse.Namespace) -> int:
+    """Run the batch-invariance probe now (not the recorded answer) and time a cold prefill."""
+    from .engines import open_adapter
+    from .engines.probe import measure_prefill, probe_batch_invariance
+
+    kwargs = {"flash_attn": True} if args.flash_attn else {}
+    adapter = open_adapter(args.engine, args.model, n_ctx=args.n_ctx, n_threads=args.threads,
+                           memo_dir=_config(args).cache_dir, **kwargs)
+    try:
+        res = probe_batch_invariance(adapter)
+        speed = measure_prefill(adapter, args.prefill_tokens, runs=args.runs)
+    finally:
+        adapter.close()
+    data = {**res.to_json(), "prefill_tokens": args.prefill_tokens,
+            "prefill_tok_s": round(speed, 1), "flash_attn": bool(args.flash_attn)}
+    if args.json:
+        from .bench.report import write_json
+
+        write_json(args.json, data)
+    print(f"engine: {res.describe}")
+    print(f"sensitivity (one early token changed): max |logit diff| = {res.sensitivity:.3g}")
+    for name, diff, same_kv in res.results:
+        print(f"  {name:42s} max |logit diff| = {diff:<9.3g} KV {'identical' if same_kv else 'DIFFERS'}")
+    ok = sum(d == 0.0 and s for _, d, s in res.results)
+    print(f"{ok}/{len(res.results)} schedules bit-identical -> reuse granularity: "
+          f"{res.granularity}; probe {res.seconds:.1f} s; cold prefill of "
+          f"{args.prefill_tokens} tokens: {speed:.0f} tok/s")
     return 0
 
 
@@ -261,13 +300,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--contexts", default="512,1024", help="stream: context token counts")
     b.add_argument("--stream-deadline", type=float, default=40.0,
                    help="stream: all-stream runs predicted longer than this are not run")
-    b.add_argument("--requests", type=int, help="seed: number of requests (default 1000)")
-    b.add_argument("--workload", help="seed: JSONL file, one {prompt, cluster?, max_tokens?} a line")
+    b.add_argument("--requests", type=int,
+                   help="seed: number of requests (default 1000; of a file: the first N)")
+    b.add_argument("--workload", help="seed: `seed` (default), `chat` (multi-turn, interleaved "
+                   "users) or a JSONL file, one {prompt, cluster?, max_tokens?} a line")
     b.add_argument("--seed", type=int, default=0, help="seed: workload RNG seed")
     b.add_argument("--json", help="write the result here")
     b.add_argument("--runs", type=int, default=5)
     b.add_argument("--context-tokens", type=int, default=512)
-    b.add_argument("--max-tokens", type=int, default=16)
+    b.add_argument("--max-tokens", type=int, help="tokens to generate (default 16; chat: 48)")
     b.add_argument("--entries", type=int, default=1000, help="lookup: vectors in the index")
     engine_opts(b)
     b.set_defaults(func=cmd_bench)
@@ -281,6 +322,16 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--kv-type", choices=["f16", "f32"], default="f16", help="engine KV dtype")
     engine_opts(k)
     k.set_defaults(func=cmd_kv_server)
+
+    pr = sub.add_parser("probe", help="is the engine batch-invariant? (decides reuse granularity)")
+    pr.add_argument("--engine", choices=["llamacpp", "torch", "onnx"], default="llamacpp")
+    pr.add_argument("--flash-attn", action="store_true", help="llama.cpp: flash attention on")
+    pr.add_argument("--threads", type=int, help="engine threads (default: all cores)")
+    pr.add_argument("--prefill-tokens", type=int, default=512, help="cold prefill to time")
+    pr.add_argument("--runs", type=int, default=3, help="cold prefill repeats (median)")
+    pr.add_argument("--json", help="write the result here")
+    engine_opts(pr)
+    pr.set_defaults(func=cmd_probe)
 
     d = sub.add_parser("demo", help="cold vs warm on real prompts (what `make run` shows)")
     engine_opts(d)

@@ -37,11 +37,19 @@ class CacheConfig:
     ttl_s: float = 30 * 60.0
     promoted_ttl_s: float = 7 * 24 * 3600.0
     promote_hits: int = 5
-    # Reuse a verified common prefix that ends inside a chunk (a stored successor's leading
-    # tokens). Off by default: the KV and the remaining tokens are then computed in batches of
-    # other shapes than a cold run's, and llama.cpp's CPU kernels are not batch-invariant:
-    # measured on the seed benchmark, 11% of 16-token greedy continuations changed. Tokens are
-    # verified, so it is far from the approximate mode, but it is not bit-exact.
+    # How far strict reuse may go. "auto": the batch-invariance probe (engines/probe.py) runs
+    # once per engine build + model + CPU + settings; where the engine computes the same
+    # numbers whatever the batch shape, reuse ends at any token and prefill runs in one batch
+    # (measured: an AMD AVX2 llama.cpp build with flash attention off, 12/12 schedules), else
+    # whole chunks with chunk-aligned prefill (the same build with flash attention on: 6/12;
+    # Gemma 3's Q4_K weights: 3/12). "chunk": whole chunks without probing.
+    reuse_granularity: str = "auto"
+    # Where whole-chunk reuse applies (the probe failed): also reuse a verified common prefix
+    # that ends inside a chunk (a stored successor's leading tokens). Off by default: the KV
+    # and the remaining tokens are then computed in batches of other shapes than a cold run's,
+    # which on such an engine changes numbers: measured on an AVX512 build, 11% of 16-token
+    # greedy continuations changed. Tokens are verified, so it is far from the approximate
+    # mode, but it is not bit-exact there. (On a batch-invariant engine it is always on.)
     partial_reuse: bool = False
     # A successor fragment is read only if it restores at least this many more tokens
     # (reading ~3 MB to save a handful of ~2 ms tokens is a loss).
@@ -75,6 +83,10 @@ class CacheConfig:
             raise ConfigError(
                 f"semantic thresholds must satisfy 0 <= partial ({self.semantic_partial}) <= "
                 f"exact ({self.semantic_exact}) <= 1")
+        if self.reuse_granularity not in ("auto", "chunk"):
+            raise ConfigError(f"reuse_granularity={self.reuse_granularity!r}: use 'auto' (probe "
+                              "the engine, reuse to any token where it is batch-invariant) or "
+                              "'chunk' (whole chunks only)")
         if self.semantic_k < 1:
             raise ConfigError(f"semantic_k={self.semantic_k} must be >= 1")
         object.__setattr__(self, "cache_dir", Path(self.cache_dir))
@@ -88,7 +100,9 @@ class CacheConfig:
             if raw is None or f.name == "cache_dir":
                 continue
             try:
-                if f.name in ("approximate", "partial_reuse"):
+                if f.name == "reuse_granularity":
+                    values[f.name] = raw.strip().lower()
+                elif f.name in ("approximate", "partial_reuse"):
                     values[f.name] = raw.strip().lower() in ("1", "true", "yes", "on")
                 elif f.name.endswith("_s") or f.name.startswith("semantic_") and f.name != "semantic_k":
                     values[f.name] = float(raw)

@@ -23,12 +23,16 @@ __all__ = ["FakeAdapter"]
 
 class FakeAdapter(SequenceAdapter):
     def __init__(self, *, n_layer: int = 4, n_head_kv: int = 2, head_dim: int = 4,
-                 vocab: int = 257, n_ctx: int = 4096, tag: str = "fake-model") -> None:
+                 vocab: int = 257, n_ctx: int = 4096, tag: str = "fake-model",
+                 batch_variant: bool = False) -> None:
+        """`batch_variant=True` makes the KV of a token depend slightly on where its batch
+        started, the way some real kernels do: the batch-invariance probe must catch it."""
         self.fingerprint = ModelFingerprint(
             file_sha256=hashlib.sha256(tag.encode()).hexdigest(), architecture="fake",
             n_layer=n_layer, n_head_kv=n_head_kv, head_dim_k=head_dim, head_dim_v=head_dim,
             kv_dtype="f16", engine="fake/1")
         self.vocab = vocab
+        self.batch_variant = batch_variant
         self._n_ctx = n_ctx
         self._w = np.random.default_rng(7).standard_normal((n_head_kv * head_dim, vocab))
         self._ids: list[int] = []
@@ -43,6 +47,9 @@ class FakeAdapter(SequenceAdapter):
     def eos_token(self) -> int:
         return 0
 
+    def build_info(self) -> str:
+        return f"fake/1 batch_variant={self.batch_variant}"
+
     def tokenize(self, text: str, *, add_bos: bool = True) -> list[int]:
         ids = [1 + (b % (self.vocab - 1)) for b in text.encode("utf-8")]
         return ([1] if add_bos else []) + ids
@@ -56,17 +63,21 @@ class FakeAdapter(SequenceAdapter):
     def prefill(self, tokens: Sequence[int], *, align: int) -> np.ndarray:
         check_prefill(self.n_tokens, len(tokens), self._n_ctx)
         fp = self.fingerprint
-        for t in tokens:
-            parent = self._hash[-1] if self._hash else b"root"
-            h = hashlib.sha256(parent + int(t).to_bytes(4, "little")).digest()
-            rng = np.random.default_rng(int.from_bytes(h[:8], "little"))
-            self._ids.append(int(t))
-            self._hash.append(h)
-            self._k.append(rng.standard_normal((fp.n_layer, fp.n_embd_k)).astype(np.float16))
-            self._v.append(rng.standard_normal((fp.n_layer, fp.n_embd_v)).astype(np.float16))
-        self.computed_tokens += len(tokens)
-        for lo, hi in aligned_batches(self.n_tokens - len(tokens), len(tokens), align):
+        base = self.n_tokens
+        for lo, hi in aligned_batches(base, len(tokens), align):
+            for t in tokens[lo - base : hi - base]:
+                parent = self._hash[-1] if self._hash else b"root"
+                h = hashlib.sha256(parent + int(t).to_bytes(4, "little")).digest()
+                rng = np.random.default_rng(int.from_bytes(h[:8], "little"))
+                self._ids.append(int(t))
+                self._hash.append(h)
+                k = rng.standard_normal((fp.n_layer, fp.n_embd_k))
+                if self.batch_variant:  # numbers that depend on the batch's start and size
+                    k = k + 1e-2 * ((lo % 7) + ((hi - lo) % 5))
+                self._k.append(k.astype(np.float16))
+                self._v.append(rng.standard_normal((fp.n_layer, fp.n_embd_v)).astype(np.float16))
             self.counters.add_batch(lo, hi)
+        self.computed_tokens += len(tokens)
         return self._logits()
 
     def _logits(self) -> np.ndarray:

@@ -49,11 +49,12 @@ class LlamaCppAdapter:
         """`llama_kwargs` go to `llama_cpp.Llama` (e.g. `flash_attn=True`, `type_k=...`)."""
         self._lib = lib = _import_llama()
         self.model_path = resolve_model(model_path)
+        self.n_threads = n_threads or os.cpu_count() or 1
         try:
             self._llm = lib.Llama(
                 str(self.model_path), n_ctx=n_ctx, n_batch=2048, n_ubatch=512,
-                n_threads=n_threads or os.cpu_count() or 1, verbose=False, logits_all=False,
-                **llama_kwargs)
+                n_threads=self.n_threads, n_threads_batch=self.n_threads, verbose=False,
+                logits_all=False, **llama_kwargs)
         except (ValueError, RuntimeError) as e:
             raise EngineError(f"llama.cpp could not load {self.model_path}: {e}") from e
         self._ctx = self._llm._ctx.ctx
@@ -114,6 +115,15 @@ class LlamaCppAdapter:
     @property
     def eos_token(self) -> int:
         return int(self._llm.token_eos())
+
+    def build_info(self) -> str:
+        """The kernels compiled in (llama_print_system_info), the attention path and threads."""
+        system = self._lib.llama_print_system_info()
+        system = system.decode("utf-8", "replace") if isinstance(system, bytes) else str(system)
+        p = self._llm.context_params
+        return (f"llama.cpp/{self._lib.__version__} [{' '.join(system.split())}] "
+                f"flash_attn_type={int(p.flash_attn_type)} type_k={int(p.type_k)} "
+                f"n_ubatch={int(p.n_ubatch)} threads={self.n_threads}")
 
     def chat_template(self) -> str | None:
         tpl = self._llm.metadata.get("tokenizer.chat_template")

@@ -103,7 +103,7 @@ class OnnxAdapter(HFTokenizerAdapter):
             meta_path.write_text(json.dumps(export_onnx(self.model_path, onnx_path)))
         meta = json.loads(meta_path.read_text())
         so = ort.SessionOptions()
-        so.intra_op_num_threads = n_threads or os.cpu_count() or 1
+        self.n_threads = so.intra_op_num_threads = n_threads or os.cpu_count() or 1
         so.log_severity_level = 3
         self._sess = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
         with warnings.catch_warnings():
@@ -119,6 +119,12 @@ class OnnxAdapter(HFTokenizerAdapter):
         self.counters = EngineCounters()
         self.weight_bytes = onnx_path.stat().st_size
         self.clear_kv_cache()
+
+    def build_info(self) -> str:
+        import onnxruntime as ort
+
+        return (f"onnxruntime/{ort.__version__} threads={self.n_threads} "
+                f"providers={self._sess.get_providers()}")
 
     def clear_kv_cache(self) -> None:
         fp = self.fingerprint

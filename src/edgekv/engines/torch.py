@@ -40,7 +40,8 @@ class TorchAdapter(HFTokenizerAdapter):
             raise EngineError("the torch engine needs torch, transformers, gguf and accelerate: "
                               "`make setup` installs them") from e
         self._torch = torch
-        torch.set_num_threads(n_threads or os.cpu_count() or 1)
+        self.n_threads = n_threads or os.cpu_count() or 1
+        torch.set_num_threads(self.n_threads)
         self.model_path = resolve_model(model_path)
         d, name = str(self.model_path.parent), self.model_path.name
         log.warning("loading %s into PyTorch (de-quantizing the GGUF, ~20 s)", name)
@@ -68,6 +69,11 @@ class TorchAdapter(HFTokenizerAdapter):
         # transformers renamed `past_key_values` to `cache`; use whichever this version has
         params = inspect.signature(self._model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    def build_info(self) -> str:
+        t = self._torch
+        return (f"torch/{t.__version__} threads={self.n_threads} "
+                f"cpu_capability={t.backends.cpu.get_cpu_capability()}")
 
     def clear_kv_cache(self) -> None:
         self._ids, self._cache = [], None

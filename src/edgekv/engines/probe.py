@@ -1,0 +1,261 @@
+"""Is this engine batch-invariant? The answer decides how far strict reuse may go.
+
+Reused KV is exact only if the engine computes the same numbers for a token whatever batch it
+sits in: a cached prefix was computed in one batch shape, the new tokens after it are computed
+in another, and a plain cold run of the same prompt uses a third. Whether that holds is a
+property of the engine build, the model's weight types, the CPU and settings such as flash
+attention (measured: an AVX2 llama.cpp build was invariant with flash attention off and not
+with it on; Gemma 3's Q4_K weights were not invariant on the same build), so it is measured,
+never assumed: at first use of an (engine build, model, CPU, settings) the probe runs the
+shapes that reuse creates and compares the last-token logits *and* the KV of every position
+bit for bit with a one-batch run:
+
+- a prefix then the rest, split inside a chunk (reuse that ends at any token);
+- a stored prefix extracted, cleared and injected back, cut mid-fragment, then the rest
+  (the real reuse path, through the adapter's own extract and inject);
+- a lone last token (a prompt one token longer than a cached one);
+- a split just before the KV cache's padding boundary (256 cells);
+- decode steps, one token at a time (the KV of generated tokens, stored for the next turn);
+- 128-token aligned batches (the schedule of whole-chunk reuse).
+
+Where every schedule matches, reuse may end at any token and prefill runs in one batch, like a
+plain user of the engine, whose output EdgeKV then equals bit for bit. Where any differs, the
+cache falls back to whole-chunk reuse with chunk-aligned prefill (exact against its own
+aligned schedule) and says so. The answer is recorded beside the cache, keyed by what it
+depends on, so the probe runs once (a few seconds).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import EdgeKVError
+from .base import FragmentSpec, KVAdapter
+
+__all__ = ["ProbeResult", "Schedule", "load_or_probe", "measure_prefill", "probe_batch_invariance",
+           "probe_key", "recorded_probes"]
+
+log = logging.getLogger(__name__)
+
+PROBE_TOKENS = 280  # crosses a 128-token chunk boundary twice and the 256-cell KV padding
+PROBE_VERSION = 1  # bump when the schedules change: older records are then re-measured
+
+# A schedule: how the probe's tokens are fed to the engine. Each item is a batch length, or
+# ("inject", n, keep): extract positions [0, n) as a fragment, clear, inject its first `keep`.
+Step = int | tuple[str, int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    name: str
+    steps: tuple[Step, ...]
+
+
+def schedules(n: int) -> tuple[Schedule, ...]:
+    """The batch shapes reuse creates, for a probe of `n` tokens (n > 256 + 4)."""
+    return (
+        Schedule("prefix 131 then the rest", (131, n - 131)),
+        Schedule("inject 200, keep 193, then the rest", (200, ("inject", 200, 193), n - 193)),
+        Schedule("lone last token", (n - 1, 1)),
+        Schedule("split before the KV padding (250 + rest)", (250, n - 250)),
+        Schedule("4 decode steps", (n - 4, 1, 1, 1, 1)),
+        Schedule("128-aligned chunks", tuple(min(128, n - i) for i in range(0, n, 128))),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeResult:
+    """The probe's answer for one engine build + model + CPU + settings."""
+
+    invariant: bool
+    key: str  # what it was measured for (see `probe_key`)
+    describe: str  # the same, readable
+    tokens: int
+    # per schedule: (name, max |logit diff| vs one batch, KV bit-identical)
+    results: tuple[tuple[str, float, bool], ...]
+    sensitivity: float  # max |logit diff| when one early token changes: the probe can see
+    seconds: float
+    measured_at: float
+    version: int = PROBE_VERSION
+
+    @property
+    def granularity(self) -> str:
+        return "token" if self.invariant else "chunk"
+
+    @property
+    def failed(self) -> tuple[str, ...]:
+        return tuple(name for name, diff, same_kv in self.results if diff != 0.0 or not same_kv)
+
+    def to_json(self) -> dict[str, object]:
+        d = asdict(self)
+        d["granularity"] = self.granularity
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, object]) -> ProbeResult:
+        return cls(invariant=bool(d["invariant"]), key=str(d["key"]),
+                   describe=str(d["describe"]), tokens=int(d["tokens"]),  # type: ignore[call-overload]
+                   results=tuple((str(a), float(b), bool(c))
+                                 for a, b, c in d["results"]),  # type: ignore[attr-defined]
+                   sensitivity=float(d["sensitivity"]),  # type: ignore[arg-type]
+                   seconds=float(d["seconds"]), measured_at=float(d["measured_at"]),  # type: ignore[arg-type]
+                   version=int(d.get("version", 0)))  # type: ignore[call-overload]
+
+
+def _cpu_model() -> str:
+    """The CPU's model name and instruction-set flags: kernels are chosen from them."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            text = f.read()
+    except OSError:
+        return platform.processor() or platform.machine()
+    name = flags = ""
+    for line in text.splitlines():
+        if not name and line.startswith("model name"):
+            name = line.split(":", 1)[1].strip()
+        elif not flags and line.startswith(("flags", "Features")):
+            flags = " ".join(sorted(line.split(":", 1)[1].split()))
+    return f"{platform.machine()} {name} [{hashlib.sha256(flags.encode()).hexdigest()[:12]}]"
+
+
+def probe_key(adapter: KVAdapter) -> tuple[str, str]:
+    """(digest, readable form) of everything the answer depends on."""
+    parts = {"model": adapter.fingerprint.digest, "build": adapter.build_info(),
+             "cpu": _cpu_model(), "probe": PROBE_VERSION}
+    digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+    readable = f"{adapter.fingerprint.engine} {adapter.build_info()} on {parts['cpu']}"
+    return digest, readable
+
+
+def probe_tokens(adapter: KVAdapter, n: int = PROBE_TOKENS) -> list[int]:
+    """A fixed, ordinary text (Python's own `heapq` module source, present wherever Python is):
+    nothing tuned to a workload, long enough for every schedule."""
+    import heapq
+
+    text = Path(heapq.__file__).read_text(encoding="utf-8")
+    ids = adapter.tokenize(text)
+    if len(ids) < n:
+        ids = (ids * (n // max(1, len(ids)) + 1))
+    return ids[:n]
+
+
+def _run(adapter: KVAdapter, tokens: Sequence[int],
+         steps: Sequence[Step]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Feed `tokens` by `steps`; return the last logits and the KV of every position."""
+    adapter.clear_kv_cache()
+    pos, logits = 0, None
+    big = adapter.n_ctx  # an alignment no batch reaches: each step is one batch
+    for step in steps:
+        if isinstance(step, tuple):
+            _, n, keep = step
+            frag = adapter.extract_fragments([FragmentSpec("probe", 0, n)])[0]
+            adapter.clear_kv_cache()
+            pos = adapter.inject_fragments([frag], limit=keep)
+            continue
+        logits = adapter.prefill(tokens[pos : pos + step], align=big)
+        pos += step
+    if pos != len(tokens) or logits is None:
+        raise EdgeKVError(f"probe schedule fed {pos} of {len(tokens)} tokens")
+    frag = adapter.extract_fragments([FragmentSpec("probe", 0, len(tokens))])[0]
+    return logits, np.asarray(frag.keys), np.asarray(frag.values)
+
+
+def probe_batch_invariance(adapter: KVAdapter, n_tokens: int = PROBE_TOKENS) -> ProbeResult:
+    """Run every schedule against one batch; the engine's context is left empty."""
+    t0 = time.perf_counter()
+    toks = probe_tokens(adapter, n_tokens)
+    if len(toks) < 261:
+        raise EdgeKVError(f"the probe needs at least 261 tokens, got {len(toks)}")
+    n = len(toks)
+    try:
+        ref_logits, ref_k, ref_v = _run(adapter, toks, (n,))
+        # the probe can see a difference: one early token changed moves the logits (on a
+        # short prefix, to keep the probe fast)
+        short = toks[:64]
+        base = _run(adapter, short, (64,))[0]
+        other = list(short)
+        other[5] = (other[5] + 1) % max(2, int(ref_logits.shape[0]))
+        sensitivity = float(np.max(np.abs(_run(adapter, other, (64,))[0] - base)))
+        results = []
+        for s in schedules(n):
+            logits, k, v = _run(adapter, toks, s.steps)
+            diff = float(np.max(np.abs(logits - ref_logits)))
+            same_kv = bool(np.array_equal(k, ref_k) and np.array_equal(v, ref_v))
+            results.append((s.name, diff, same_kv))
+    finally:
+        adapter.clear_kv_cache()
+    key, readable = probe_key(adapter)
+    invariant = sensitivity > 0 and all(d == 0.0 and same for _, d, same in results)
+    return ProbeResult(invariant, key, readable, n, tuple(results), sensitivity,
+                       time.perf_counter() - t0, time.time())
+
+
+_memo: dict[str, ProbeResult] = {}  # per process: several caches over one engine probe once
+
+
+def probe_path(probe_dir: Path, key: str) -> Path:
+    return Path(probe_dir) / f"{key[:32]}.json"
+
+
+def load_or_probe(adapter: KVAdapter, probe_dir: Path,
+                  run: Callable[[KVAdapter], ProbeResult] = probe_batch_invariance
+                  ) -> ProbeResult:
+    """The recorded answer for this adapter, else run the probe once and record it."""
+    key, _ = probe_key(adapter)
+    if key in _memo:
+        return _memo[key]
+    path = probe_path(probe_dir, key)
+    try:
+        found = ProbeResult.from_json(json.loads(path.read_text(encoding="utf-8")))
+        if found.key == key and found.version == PROBE_VERSION:
+            _memo[key] = found
+            return found
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # missing or damaged: measure again
+    result = run(adapter)
+    log.info("batch-invariance probe (%s): %s in %.1fs%s", result.describe,
+             "invariant" if result.invariant else "NOT invariant", result.seconds,
+             "" if result.invariant else f"; differs under: {', '.join(result.failed)}")
+    _memo[key] = result
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(result.to_json(), indent=1), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only cache dir: the answer still holds for this process
+        log.warning("could not record the probe result in %s (%s)", path, e)
+    return result
+
+
+def measure_prefill(adapter: KVAdapter, n_tokens: int = 512, runs: int = 3) -> float:
+    """Median cold prefill speed (tokens/s) of `n_tokens` probe tokens in one batch."""
+    toks = probe_tokens(adapter, n_tokens)
+    times = []
+    for _ in range(max(1, runs)):
+        adapter.clear_kv_cache()
+        t0 = time.perf_counter()
+        adapter.prefill(toks, align=adapter.n_ctx)
+        times.append(time.perf_counter() - t0)
+    adapter.clear_kv_cache()
+    return len(toks) / sorted(times)[len(times) // 2]
+
+
+def recorded_probes(probe_dir: Path) -> list[ProbeResult]:
+    """Every probe answer recorded in `probe_dir` (for `edgekv cache stats`)."""
+    out = []
+    for p in sorted(Path(probe_dir).glob("*.json")):
+        try:
+            out.append(ProbeResult.from_json(json.loads(p.read_text(encoding="utf-8"))))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return out
