@@ -28,7 +28,8 @@ from .engines.base import FragmentSpec, KVAdapter
 from .engines.probe import ProbeResult, load_or_probe
 from .errors import EdgeKVError, EngineError, FragmentError, IncompatibleFragment, StoreError
 from .fragment import MAX_SPAN, MIN_SPAN, KVFragment, common_prefix, next_expiry
-from .keys import ChunkKey, chunk_keys, next_key
+from .engines.base import TokenCallback
+from .keys import ChunkKey, chunk_keys, next_key, tenant_root
 from .lookup import Chunk, ChunkReader
 from .store.base import FragmentStore
 
@@ -88,6 +89,7 @@ class GenerationResult:
     first_logits: np.ndarray = field(repr=False)
     match: PrefixMatch = field(default_factory=lambda: PrefixMatch(0), repr=False)
     step_logits: tuple[np.ndarray, ...] = field(default=(), repr=False)  # with keep_logits
+    finish_reason: str = "length"  # "stop": end of sequence or `on_token` said stop
 
     @property
     def source_tiers(self) -> tuple[str, ...]:
@@ -146,8 +148,10 @@ class EdgeKV:
         plain user runs it), else multiples of the chunk size."""
         return self.adapter.n_ctx if self.token_exact else self.config.chunk_size
 
-    def chunk_keys(self, tokens: Sequence[int]) -> list[ChunkKey]:
-        return chunk_keys(self.fingerprint, tokens, self.config.chunk_size)
+    def chunk_keys(self, tokens: Sequence[int], salt: str = "") -> list[ChunkKey]:
+        """Chained keys of the full chunks of `tokens`, in the tenant `salt`'s own chain."""
+        return chunk_keys(self.fingerprint, tokens, self.config.chunk_size,
+                          tenant_root(self.fingerprint, salt))
 
     def cached_chunks(self, keys: Sequence[str], now: float | None = None,
                       rejections: list[str] | None = None) -> list[Chunk]:
@@ -165,7 +169,7 @@ class EdgeKV:
 
     def lookup(self, tokens: Sequence[int], text: str | None = None, *,
                approximate: bool | None = None, now: float | None = None,
-               keys: Sequence[str] | None = None) -> PrefixMatch:
+               keys: Sequence[str] | None = None, salt: str = "") -> PrefixMatch:
         """What to restore for `tokens`: at most len(tokens) - 1 positions, so the first
         output token's logits are always computed. `keys`: the tokens' chunk keys, if known.
 
@@ -180,12 +184,13 @@ class EdgeKV:
         now = time.time() if now is None else now
         approximate = self.config.approximate if approximate is None else approximate
         c, ids, limit = self.config.chunk_size, np.asarray(tokens, np.int32), len(tokens) - 1
-        keys = self.chunk_keys(tokens) if keys is None else keys
+        keys = self.chunk_keys(tokens, salt) if keys is None else keys
+        root = tenant_root(self.fingerprint, salt)
         rejections: list[str] = []
         chunks = self.cached_chunks(keys[: limit // c], now, rejections)
         n = len(chunks) * c
         best = PrefixMatch(n, tuple(chunks), n, token_exact=self.token_exact)
-        ext = (self._successors(ids, chunks, limit, now, rejections)
+        ext = (self._successors(ids, chunks, limit, now, rejections, root)
                if self.config.partial_reuse or approximate or self.token_exact else None)
         if ext is not None:
             best = replace(best, n_tokens=ext[1], chunks=tuple(ext[0]))
@@ -194,7 +199,8 @@ class EdgeKV:
             best = replace(best, tier=route.tier.value, similarity=route.similarity,
                            route_s=route.embed_s + route.search_s, route=route)
             if route.tier.value != "miss" and route.candidates:
-                approx = self._approximate(route.candidates[0][0], ids, limit, now, rejections)
+                approx = self._approximate(route.candidates[0][0], ids, limit, now, rejections,
+                                           root)
                 if approx is not None and approx.n_tokens > best.n_tokens:
                     best = replace(approx, exact_tokens=n, tier=best.tier, route=route,
                                    token_exact=self.token_exact,
@@ -204,7 +210,13 @@ class EdgeKV:
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 64,
                  temperature: float = 0.0, seed: int = 0, use_cache: bool = True,
                  store: bool = True, keep_logits: bool = False,
-                 approximate: bool | None = None) -> GenerationResult:
+                 approximate: bool | None = None, top_p: float = 1.0,
+                 on_token: TokenCallback | None = None, salt: str = "") -> GenerationResult:
+        """Answer `prompt` (text, or token ids), reusing what the cache holds for it.
+
+        `salt` names a tenant (an API key, an OpenAI `cache_salt`): its prefixes are cached in
+        a chain of its own and never reused for another salt. `on_token` sees each sampled
+        token as it comes and may stop the generation by returning False."""
         t0 = time.perf_counter()
         a = self.adapter
         tokens = a.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
@@ -217,9 +229,9 @@ class EdgeKV:
         text = prompt if isinstance(prompt, str) else None
         if text is None and self.router is not None and use_cache:
             text = a.detokenize(tokens)
-        keys = self.chunk_keys(tokens)  # once per request: lookup, store and prefetch share them
-        match = (self.lookup(tokens, text, approximate=approximate, keys=keys) if use_cache
-                 else PrefixMatch(0))
+        keys = self.chunk_keys(tokens, salt)  # once per request: lookup, store, prefetch
+        match = (self.lookup(tokens, text, approximate=approximate, keys=keys, salt=salt)
+                 if use_cache else PrefixMatch(0))
         rejections = match.rejections
         t_lookup = time.perf_counter()
         cached = self._inject(match)
@@ -237,7 +249,7 @@ class EdgeKV:
             match = replace(match, tier=route.tier.value, similarity=route.similarity,
                             route_s=route.embed_s + route.search_s, route=route)
         gen = a.generate(logits, max_tokens, temperature=temperature, seed=seed,
-                         keep_logits=keep_logits)
+                         keep_logits=keep_logits, top_p=top_p, on_token=on_token)
         t_gen = time.perf_counter()
         stored = written = 0
         # KV computed on top of reuse that was not batch-exact is not what a cold run would
@@ -247,8 +259,9 @@ class EdgeKV:
             if self.token_exact:  # the answer's KV too: the next turn's prompt holds it
                 held = a.token_ids  # prompt + answer, less the last sampled token
                 if len(held) > len(tokens) and held[: len(tokens)] == list(tokens):
-                    seq, seq_keys = held, self.chunk_keys(held)
-            stored, written = self.store_new(seq, cached, seq_keys, match.route)
+                    seq, seq_keys = held, self.chunk_keys(held, salt)
+            stored, written = self.store_new(seq, cached, seq_keys, match.route,
+                                             tenant_root(self.fingerprint, salt))
         self._record_hits(match)
         if self.prefetcher is not None and use_cache:
             # a request's signature: its deepest full chunk, which names its context
@@ -263,7 +276,7 @@ class EdgeKV:
             kv_bytes_read=sum(f.nbytes for f in match.fragments) if cached else 0,
             kv_bytes_written=written, prefill_traffic_bytes=prefill_traffic,
             first_logits=logits, match=match,
-            step_logits=gen.logits)
+            step_logits=gen.logits, finish_reason=gen.finish_reason)
 
     def clear(self) -> int:
         n = self.store.clear()
@@ -287,7 +300,7 @@ class EdgeKV:
     # -- private helpers -----------------------------------------------------------------
 
     def _successors(self, ids: np.ndarray, exact: list[Chunk], limit: int, now: float,
-                    rejections: list[str]) -> tuple[list[Chunk], int] | None:
+                    rejections: list[str], root: str) -> tuple[list[Chunk], int] | None:
         """Extend the exact chain with a stored successor whose leading tokens match.
 
         Candidates are the children of the last two chain keys (a trailing fragment shorter
@@ -300,7 +313,7 @@ class EdgeKV:
         c, start = self.config.chunk_size, len(exact) * self.config.chunk_size
         best: tuple[int, int, str] | None = None  # (end, k0, chain key)
         for k0 in range(max(0, len(exact) - 1), len(exact) + 1):
-            parent = exact[k0 - 1].chain_key if k0 else ""
+            parent = exact[k0 - 1].chain_key if k0 else root
             for skey, tok in children(parent):
                 same = common_prefix(tok, ids[k0 * c : limit])
                 end = k0 * c + same
@@ -311,17 +324,17 @@ class EdgeKV:
             return None
         end, k0, key = best
         chunk = self.reader.read(key, now, rejections)
-        parent = exact[k0 - 1].chain_key if k0 else ""
+        parent = exact[k0 - 1].chain_key if k0 else root
         if (chunk is None or chunk.token_start != k0 * c or chunk.head.parent_key != parent
                 or chunk.head.prefix_len(ids[k0 * c : end]) < end - k0 * c):
             return None
         return exact[:k0] + [chunk], end
 
     def _approximate(self, cand: str, ids: np.ndarray, limit: int, now: float,
-                     rejections: list[str]) -> PrefixMatch | None:
+                     rejections: list[str], root: str) -> PrefixMatch | None:
         chain = self.reader.chain_back(cand, 0, now, rejections)
-        if not chain or chain[-1].token_end < 1:
-            return None
+        if not chain or chain[-1].token_end < 1 or chain[0].head.parent_key != root:
+            return None  # broken, empty, or another tenant's chain
         n = min(chain[-1].token_end, limit)
         used = [ch for ch in chain if ch.token_start < n]
         stored_ids = np.concatenate([ch.head.token_ids for ch in used])[:n]
@@ -340,14 +353,14 @@ class EdgeKV:
             return 0
 
     def store_new(self, tokens: Sequence[int], cached: int, keys: Sequence[str],
-                  route: object | None = None) -> tuple[int, int]:
+                  route: object | None = None, root: str = "") -> tuple[int, int]:
         """Store the chunks of `tokens` from `cached` on (the engine holds their KV); the
         deepest gets the route's embedding and an index entry. Returns (fragments, bytes)."""
         c = self.config.chunk_size
         spans: list[tuple[str, str, int, int]] = []  # chain key, parent, start, end
         for i, key in enumerate(keys):
             if (i + 1) * c > cached:
-                spans.append((key, keys[i - 1] if i else "", i * c, (i + 1) * c))
+                spans.append((key, keys[i - 1] if i else root, i * c, (i + 1) * c))
         tail = len(tokens) - len(keys) * c
         if tail and (self.router is not None or self.config.partial_reuse or self.token_exact):
             # the tokens after the last full chunk, found again by semantic search and verified
@@ -355,7 +368,7 @@ class EdgeKV:
             # with the chunk before it (that chunk's KV is then held twice)
             k = len(keys) if tail >= MIN_SPAN else len(keys) - 1
             if k >= 0 and len(tokens) - k * c <= MAX_SPAN:
-                parent, start = (keys[k - 1] if k else ""), k * c
+                parent, start = (keys[k - 1] if k else root), k * c
                 spans.append((next_key(parent, self.fingerprint, tokens[start:]), parent, start,
                               len(tokens)))
         specs = [FragmentSpec(key, lo, hi, glo, ghi, parent_key=parent)

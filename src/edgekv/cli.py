@@ -133,8 +133,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         name, reqs = load_workload(args.workload, requests=args.requests, seed=args.seed,
                                    max_tokens=args.max_tokens)
+        only = tuple(m for m in args.modes.split(",") if m) if args.modes else None
         res = run_seed_bench(requests=reqs, workload=name, model=args.model, n_ctx=args.n_ctx,
-                             engine=args.engine)
+                             engine=args.engine, only=only)
         print(seed_table(res))
         path = write_json(args.json or "bench-out/seed.json", res)
         md = write_seed_report(res, path.with_suffix(".md"))
@@ -305,6 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--workload", help="seed: `seed` (default), `chat` (multi-turn, interleaved "
                    "users) or a JSONL file, one {prompt, cluster?, max_tokens?} a line")
     b.add_argument("--seed", type=int, default=0, help="seed: workload RNG seed")
+    b.add_argument("--modes", help="seed: comma-separated modes to run (default: all; the "
+                   "plain reference and nocache always run)")
     b.add_argument("--json", help="write the result here")
     b.add_argument("--runs", type=int, default=5)
     b.add_argument("--context-tokens", type=int, default=512)

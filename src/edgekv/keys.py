@@ -24,6 +24,7 @@ __all__ = [
     "chunk_keys",
     "file_sha256",
     "next_key",
+    "tenant_root",
     "token_bytes",
 ]
 
@@ -79,10 +80,23 @@ def next_key(parent: str, fingerprint: str, token_ids: Sequence[int]) -> ChunkKe
     return ChunkKey(h.hexdigest())
 
 
-def chunk_keys(fingerprint: str, token_ids: Sequence[int], chunk_size: int) -> list[ChunkKey]:
-    """Keys of the full chunks of `token_ids`; a trailing partial chunk gets none."""
+def tenant_root(fingerprint: str, salt: str) -> str:
+    """The parent key of a tenant's first chunk: "" without a salt, else a key derived from
+    the salt. Every later key hashes its parent, so one tenant's chain never meets another's
+    (no reuse across tenants, hence no timing channel between them), and a stored fragment
+    still verifies by its own parent key and tokens, without knowing the salt."""
+    if not salt:
+        return ""
+    h = hashlib.sha256(b"edgekv-tenant\0" + fingerprint.encode() + b"\0" + salt.encode())
+    return h.hexdigest()
+
+
+def chunk_keys(fingerprint: str, token_ids: Sequence[int], chunk_size: int,
+               root: str = "") -> list[ChunkKey]:
+    """Keys of the full chunks of `token_ids` (after `root`, see `tenant_root`); a trailing
+    partial chunk gets none."""
     keys: list[ChunkKey] = []
-    parent = ""
+    parent = root
     for start in range(0, len(token_ids) - chunk_size + 1, chunk_size):
         parent = next_key(parent, fingerprint, token_ids[start : start + chunk_size])
         keys.append(parent)

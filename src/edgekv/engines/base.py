@@ -22,7 +22,7 @@ from ..errors import ConfigError, EngineError, IncompatibleFragment
 from ..fragment import KVFragment
 from ..keys import ModelFingerprint
 
-__all__ = ["EngineCounters", "check_prefill", "FragmentSpec", "Generation", "KVAdapter", "aligned_batches", "check_injectable",
+__all__ = ["TokenCallback", "sample_token", "EngineCounters", "check_prefill", "FragmentSpec", "Generation", "KVAdapter", "aligned_batches", "check_injectable",
            "injection_length", "sample_loop", "stack_prefix", "build_fragments", "SequenceAdapter"]
 
 
@@ -39,11 +39,22 @@ class FragmentSpec:
     parent_key: str = ""
 
 
+# called with each sampled token that is not end-of-sequence; returning False stops the
+# generation there (a stop string was seen, the client went away)
+TokenCallback = Callable[[int], bool]
+
+
 @dataclass(frozen=True, slots=True)
 class Generation:
     tokens: tuple[int, ...]
     logits: tuple[np.ndarray, ...]  # logits that chose each token (kept only when asked)
     stopped_by_eos: bool
+    stopped_by_callback: bool = False
+
+    @property
+    def finish_reason(self) -> str:
+        """OpenAI's words: "stop" (end of sequence or a stop condition), else "length"."""
+        return "stop" if self.stopped_by_eos or self.stopped_by_callback else "length"
 
 
 @dataclass(slots=True)
@@ -115,7 +126,8 @@ class KVAdapter(Protocol):
         ...
 
     def generate(self, logits: np.ndarray, max_tokens: int, *, temperature: float = 0.0,
-                 seed: int = 0, keep_logits: bool = False) -> Generation: ...
+                 seed: int = 0, keep_logits: bool = False, top_p: float = 1.0,
+                 on_token: TokenCallback | None = None) -> Generation: ...
 
     def close(self) -> None: ...
 
@@ -142,11 +154,33 @@ def aligned_batches(start: int, n: int, align: int) -> list[tuple[int, int]]:
     return out
 
 
+def sample_token(logits: np.ndarray, temperature: float, top_p: float,
+                 rng: np.random.Generator) -> int:
+    """Greedy at temperature 0; else softmax(logits / temperature) cut to the smallest set of
+    tokens whose probability reaches `top_p` (nucleus sampling), drawn from a seeded RNG."""
+    if temperature <= 0:
+        return int(np.argmax(logits))
+    z = (logits.astype(np.float64) - float(logits.max())) / temperature
+    p = np.exp(z)
+    p /= p.sum()
+    if top_p < 1.0:
+        order = np.argsort(-p, kind="stable")
+        keep = int(np.searchsorted(np.cumsum(p[order]), top_p)) + 1
+        idx = order[:keep]
+        q = p[idx] / p[idx].sum()
+        return int(idx[rng.choice(len(idx), p=q)])
+    return int(rng.choice(len(p), p=p))
+
+
 def sample_loop(adapter: KVAdapter, logits: np.ndarray, max_tokens: int, *, temperature: float,
-                seed: int, keep_logits: bool) -> Generation:
-    """Greedy (temperature 0) or seeded temperature sampling, one token at a time."""
+                seed: int, keep_logits: bool, top_p: float = 1.0,
+                on_token: TokenCallback | None = None) -> Generation:
+    """Sample one token at a time (`sample_token`); each token but the last is evaluated, so
+    the engine then holds the prompt and the answer less its last token."""
     if max_tokens < 0:
         raise ConfigError(f"max_tokens={max_tokens} must be >= 0")
+    if not 0.0 < top_p <= 1.0:
+        raise ConfigError(f"top_p={top_p} must be in (0, 1]")
     if adapter.n_tokens + max_tokens > adapter.n_ctx:
         raise ConfigError(
             f"prompt ({adapter.n_tokens} tokens) + max_tokens ({max_tokens}) exceeds the context "
@@ -155,23 +189,21 @@ def sample_loop(adapter: KVAdapter, logits: np.ndarray, max_tokens: int, *, temp
     rng = np.random.default_rng(seed)
     tokens: list[int] = []
     kept: list[np.ndarray] = []
-    eos = False
+    eos = stopped = False
     for i in range(max_tokens):
         if keep_logits:
             kept.append(logits)
-        if temperature <= 0:
-            tok = int(np.argmax(logits))
-        else:
-            z = (logits.astype(np.float64) - logits.max()) / temperature
-            p = np.exp(z)
-            tok = int(rng.choice(len(p), p=p / p.sum()))
+        tok = sample_token(logits, temperature, top_p, rng)
         tokens.append(tok)
         if tok == adapter.eos_token:
             eos = True
             break
+        if on_token is not None and on_token(tok) is False:
+            stopped = True
+            break
         if i + 1 < max_tokens:
             logits = adapter.prefill([tok], align=1)
-    return Generation(tuple(tokens), tuple(kept), eos)
+    return Generation(tuple(tokens), tuple(kept), eos, stopped)
 
 
 def injection_length(fragments: Sequence[KVFragment], fp: ModelFingerprint,
@@ -294,6 +326,7 @@ class SequenceAdapter:
         return self._n_ctx
 
     def generate(self, logits: np.ndarray, max_tokens: int, *, temperature: float = 0.0,
-                 seed: int = 0, keep_logits: bool = False) -> Generation:
+                 seed: int = 0, keep_logits: bool = False, top_p: float = 1.0,
+                 on_token: TokenCallback | None = None) -> Generation:
         return sample_loop(self, logits, max_tokens, temperature=temperature, seed=seed,  # type: ignore[arg-type]
-                           keep_logits=keep_logits)
+                           keep_logits=keep_logits, top_p=top_p, on_token=on_token)

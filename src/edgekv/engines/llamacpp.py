@@ -19,8 +19,8 @@ import numpy as np
 from ..errors import EngineError, IncompatibleFragment, UnsupportedLayout
 from ..fragment import KVFragment
 from ..keys import ModelFingerprint, file_sha256
-from .base import (EngineCounters, FragmentSpec, Generation, aligned_batches, build_fragments,
-                   check_prefill, injection_length, sample_loop)
+from .base import (EngineCounters, FragmentSpec, Generation, TokenCallback, aligned_batches,
+                   build_fragments, check_prefill, injection_length, sample_loop)
 from .llamacpp_state import SeqState, SeqStateWriter, parse_seq_state
 from .models import resolve_model
 
@@ -150,9 +150,10 @@ class LlamaCppAdapter:
         return np.array(logits, dtype=np.float32, copy=True)
 
     def generate(self, logits: np.ndarray, max_tokens: int, *, temperature: float = 0.0,
-                 seed: int = 0, keep_logits: bool = False) -> Generation:
+                 seed: int = 0, keep_logits: bool = False, top_p: float = 1.0,
+                 on_token: TokenCallback | None = None) -> Generation:
         return sample_loop(self, logits, max_tokens, temperature=temperature, seed=seed,
-                           keep_logits=keep_logits)
+                           keep_logits=keep_logits, top_p=top_p, on_token=on_token)
 
     # -- fragments -----------------------------------------------------------------------
 
