@@ -20,53 +20,35 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from .config import CacheConfig
-from .engines.base import FragmentSpec, KVAdapter
+from .engines.base import FragmentSpec, KVAdapter, TokenCallback
 from .engines.probe import ProbeResult, load_or_probe
 from .errors import EdgeKVError, EngineError, FragmentError, IncompatibleFragment, StoreError
-from .fragment import MAX_SPAN, MIN_SPAN, KVFragment, common_prefix, next_expiry
-from .engines.base import TokenCallback
+from .fragment import MAX_SPAN, MIN_SPAN, next_expiry
 from .keys import ChunkKey, chunk_keys, next_key, tenant_root
-from .lookup import Chunk, ChunkReader
+from .lookup import Chunk, ChunkReader, PrefixMatch, PrefixMatcher, Router
 from .store.base import FragmentStore
 
-__all__ = ["EdgeKV", "GenerationResult", "PrefixMatch"]
+__all__ = ["EdgeKV", "GenerationResult", "PrefetchHook", "PrefixMatch"]
+
+if TYPE_CHECKING:
+    from .semantic.router import Route
 
 log = logging.getLogger(__name__)
 
+
+class PrefetchHook(Protocol):
+    """What the cache tells a prefetcher (`prefetch.Prefetcher`): each request's signature."""
+
+    def observe(self, sig: str | None) -> None: ...
+
+    def close(self) -> None: ...
+
 INDEX_SAVE_EVERY = 16  # semantic index additions between saves of its file
-
-
-@dataclass(frozen=True, slots=True)
-class PrefixMatch:
-    n_tokens: int  # tokens to restore
-    chunks: tuple[Chunk, ...] = ()
-    exact_tokens: int = 0  # covered by the exact chain walk
-    approximate: bool = False
-    mismatched_tokens: int = 0  # approximate mode: restored positions whose token differs
-    tier: str = "none"  # exact / partial / miss from the semantic router, "none" without one
-    similarity: float = 0.0
-    route_s: float = 0.0
-    rejections: tuple[str, ...] = ()
-    route: object | None = field(default=None, repr=False)  # the semantic route, if computed
-    token_exact: bool = False  # the engine passed the batch-invariance probe
-
-
-    @property
-    def fragments(self) -> tuple[KVFragment, ...]:
-        return tuple(f for c in self.chunks for f in c.fragments)
-
-    def batch_exact(self, chunk_size: int) -> bool:
-        """A warm run equals a cold one bit for bit: this request's own tokens, and either a
-        batch-invariant engine or whole chunks (computed by the same batch shape as cold)."""
-        return not self.approximate and (self.token_exact or self.n_tokens % chunk_size == 0)
-
-    @property
-    def source_tiers(self) -> tuple[str, ...]:
-        return tuple(c.tier for c in self.chunks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,11 +86,11 @@ class EdgeKV:
     """Prefix KV reuse over one engine adapter, one (tiered) store and an optional router."""
 
     def __init__(self, adapter: KVAdapter, store: FragmentStore,
-                 config: CacheConfig | None = None, *, router: object | None = None,
-                 prefetcher: object | None = None) -> None:
+                 config: CacheConfig | None = None, *, router: Router | None = None,
+                 prefetcher: PrefetchHook | None = None) -> None:
         self.adapter, self.store = adapter, store
         self.config = config or CacheConfig()
-        self.router = router  # semantic.SemanticRouter (duck-typed to keep the layers apart)
+        self.router = router
         self.prefetcher = prefetcher
         self.fingerprint = adapter.fingerprint.digest
         n_layer = adapter.fingerprint.n_layer
@@ -132,6 +114,10 @@ class EdgeKV:
         if not self.token_exact:
             log.info("reuse is whole %d-token chunks (%s)", self.config.chunk_size,
                      self.granularity_reason)
+        self.matcher = PrefixMatcher(
+            self.reader, self.config.chunk_size, token_exact=self.token_exact,
+            partial_reuse=self.config.partial_reuse,
+            min_reuse_tokens=self.config.min_reuse_tokens, router=router)
         if router is not None and hasattr(store, "add_remove_listener"):
             store.add_remove_listener(self._on_store_remove)
 
@@ -155,57 +141,19 @@ class EdgeKV:
 
     def cached_chunks(self, keys: Sequence[str], now: float | None = None,
                       rejections: list[str] | None = None) -> list[Chunk]:
-        """The exact chain walk: verified chunks under `keys`, from the first until one is
-        missing or refused."""
-        now = time.time() if now is None else now
-        rejections = [] if rejections is None else rejections
-        chunks: list[Chunk] = []
-        for key in keys:
-            chunk = self.reader.read(key, now, rejections)
-            if chunk is None:
-                break
-            chunks.append(chunk)
-        return chunks
+        """The exact chain walk (see `ChunkReader.walk`)."""
+        return self.reader.walk(keys, time.time() if now is None else now,
+                                [] if rejections is None else rejections)
 
     def lookup(self, tokens: Sequence[int], text: str | None = None, *,
                approximate: bool | None = None, now: float | None = None,
                keys: Sequence[str] | None = None, salt: str = "") -> PrefixMatch:
-        """What to restore for `tokens`: at most len(tokens) - 1 positions, so the first
-        output token's logits are always computed. `keys`: the tokens' chunk keys, if known.
-
-        Strict reuse starts with the exact chain walk over whole chunks. On a batch-invariant
-        engine (and with `partial_reuse` or in approximate mode elsewhere) the stored
-        successors of the chain's last chunks are then compared token by token and a common
-        prefix ending inside a chunk is reused too (a radix step; token-verified, and exact
-        only where the engine is batch-invariant). Any KV valid for this
-        request hangs off its own chain, so semantic search cannot find more; it is needed
-        before the first token only in approximate mode (`text` is then embedded).
-        """
-        now = time.time() if now is None else now
-        approximate = self.config.approximate if approximate is None else approximate
-        c, ids, limit = self.config.chunk_size, np.asarray(tokens, np.int32), len(tokens) - 1
+        """What to restore for `tokens` (`PrefixMatcher.match_prefix`); `keys`: the tokens'
+        chunk keys under `salt`, if already computed."""
         keys = self.chunk_keys(tokens, salt) if keys is None else keys
-        root = tenant_root(self.fingerprint, salt)
-        rejections: list[str] = []
-        chunks = self.cached_chunks(keys[: limit // c], now, rejections)
-        n = len(chunks) * c
-        best = PrefixMatch(n, tuple(chunks), n, token_exact=self.token_exact)
-        ext = (self._successors(ids, chunks, limit, now, rejections, root)
-               if self.config.partial_reuse or approximate or self.token_exact else None)
-        if ext is not None:
-            best = replace(best, n_tokens=ext[1], chunks=tuple(ext[0]))
-        if approximate and self.router is not None and text is not None:
-            route = self.router.route(text)  # type: ignore[attr-defined]
-            best = replace(best, tier=route.tier.value, similarity=route.similarity,
-                           route_s=route.embed_s + route.search_s, route=route)
-            if route.tier.value != "miss" and route.candidates:
-                approx = self._approximate(route.candidates[0][0], ids, limit, now, rejections,
-                                           root)
-                if approx is not None and approx.n_tokens > best.n_tokens:
-                    best = replace(approx, exact_tokens=n, tier=best.tier, route=route,
-                                   token_exact=self.token_exact,
-                                   similarity=best.similarity, route_s=best.route_s)
-        return replace(best, rejections=tuple(rejections))
+        return self.matcher.match_prefix(
+            tokens, keys, tenant_root(self.fingerprint, salt), text=text, now=now,
+            approximate=self.config.approximate if approximate is None else approximate)
 
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 64,
                  temperature: float = 0.0, seed: int = 0, use_cache: bool = True,
@@ -245,9 +193,7 @@ class EdgeKV:
         t_first = time.perf_counter()  # choosing the first token from logits is ~20 us more
         if self.router is not None and use_cache and text is not None and match.route is None:
             # strict mode: the route is for reporting and indexing, off the TTFT path
-            route = self.router.route(text)  # type: ignore[attr-defined]
-            match = replace(match, tier=route.tier.value, similarity=route.similarity,
-                            route_s=route.embed_s + route.search_s, route=route)
+            match = match.with_route(self.router.route(text))
         gen = a.generate(logits, max_tokens, temperature=temperature, seed=seed,
                          keep_logits=keep_logits, top_p=top_p, on_token=on_token)
         t_gen = time.perf_counter()
@@ -265,7 +211,7 @@ class EdgeKV:
         self._record_hits(match)
         if self.prefetcher is not None and use_cache:
             # a request's signature: its deepest full chunk, which names its context
-            self.prefetcher.observe(keys[-1] if keys else None)  # type: ignore[attr-defined]
+            self.prefetcher.observe(keys[-1] if keys else None)
         t_end = time.perf_counter()
         return GenerationResult(
             text=a.detokenize(gen.tokens), tokens=gen.tokens, prompt_tokens=len(tokens),
@@ -281,7 +227,7 @@ class EdgeKV:
     def clear(self) -> int:
         n = self.store.clear()
         if self.router is not None:
-            self.router.index.clear()  # type: ignore[attr-defined]
+            self.router.index.clear()
         self._save_index()
         return n
 
@@ -293,53 +239,11 @@ class EdgeKV:
 
     def close(self) -> None:
         if self.prefetcher is not None:
-            self.prefetcher.close()  # type: ignore[attr-defined]
+            self.prefetcher.close()
         self._save_index()
         self.store.close()
 
     # -- private helpers -----------------------------------------------------------------
-
-    def _successors(self, ids: np.ndarray, exact: list[Chunk], limit: int, now: float,
-                    rejections: list[str], root: str) -> tuple[list[Chunk], int] | None:
-        """Extend the exact chain with a stored successor whose leading tokens match.
-
-        Candidates are the children of the last two chain keys (a trailing fragment shorter
-        than the minimum span is stored together with the chunk before it, so it hangs one
-        level up). Their token ids come from the store's index; only the best is read.
-        """
-        children = getattr(self.store, "children", None)
-        if children is None:
-            return None
-        c, start = self.config.chunk_size, len(exact) * self.config.chunk_size
-        best: tuple[int, int, str] | None = None  # (end, k0, chain key)
-        for k0 in range(max(0, len(exact) - 1), len(exact) + 1):
-            parent = exact[k0 - 1].chain_key if k0 else root
-            for skey, tok in children(parent):
-                same = common_prefix(tok, ids[k0 * c : limit])
-                end = k0 * c + same
-                gain = end - max(start, best[0] if best else 0)
-                if gain > 0 and (gain >= self.config.min_reuse_tokens or self.token_exact):
-                    best = (end, k0, skey.split(".", 1)[0])
-        if best is None:
-            return None
-        end, k0, key = best
-        chunk = self.reader.read(key, now, rejections)
-        parent = exact[k0 - 1].chain_key if k0 else root
-        if (chunk is None or chunk.token_start != k0 * c or chunk.head.parent_key != parent
-                or chunk.head.prefix_len(ids[k0 * c : end]) < end - k0 * c):
-            return None
-        return exact[:k0] + [chunk], end
-
-    def _approximate(self, cand: str, ids: np.ndarray, limit: int, now: float,
-                     rejections: list[str], root: str) -> PrefixMatch | None:
-        chain = self.reader.chain_back(cand, 0, now, rejections)
-        if not chain or chain[-1].token_end < 1 or chain[0].head.parent_key != root:
-            return None  # broken, empty, or another tenant's chain
-        n = min(chain[-1].token_end, limit)
-        used = [ch for ch in chain if ch.token_start < n]
-        stored_ids = np.concatenate([ch.head.token_ids for ch in used])[:n]
-        mismatched = int(np.count_nonzero(stored_ids != ids[:n]))
-        return PrefixMatch(n, tuple(used), approximate=mismatched > 0, mismatched_tokens=mismatched)
 
     def _inject(self, match: PrefixMatch) -> int:
         self.adapter.clear_kv_cache()
@@ -353,7 +257,7 @@ class EdgeKV:
             return 0
 
     def store_new(self, tokens: Sequence[int], cached: int, keys: Sequence[str],
-                  route: object | None = None, root: str = "") -> tuple[int, int]:
+                  route: Route | None = None, root: str = "") -> tuple[int, int]:
         """Store the chunks of `tokens` from `cached` on (the engine holds their KV); the
         deepest gets the route's embedding and an index entry. Returns (fragments, bytes)."""
         c = self.config.chunk_size
@@ -387,16 +291,16 @@ class EdgeKV:
         for spec, frag in zip(specs, frags):
             frag = frag.stamped(now, self.config.ttl_s)
             if route is not None and frag.token_end == deepest:
-                frag = replace(frag, embedding=route.embedding)  # type: ignore[attr-defined]
+                frag = replace(frag, embedding=route.embedding)
             try:
                 self.store.put(self.reader.store_key(spec.chain_key, spec.layer_start,
                                                      frag.layer_end), frag)
             except StoreError as e:  # e.g. disk full: the answer is already computed
                 log.warning("could not store fragment %s (%s)", spec.chain_key[:12], e)
                 return 0, 0
-        if route is not None:
+        if route is not None and self.router is not None:
             deep_key = next(s.chain_key for s, f in zip(specs, frags) if f.token_end == deepest)
-            self.router.index.add(deep_key, route.embedding)  # type: ignore[union-attr, attr-defined]
+            self.router.index.add(deep_key, route.embedding)
             self._unsaved += 1
             if self._unsaved >= INDEX_SAVE_EVERY:
                 self._save_index()
@@ -407,7 +311,7 @@ class EdgeKV:
         INDEX_SAVE_EVERY additions, on sweep, clear, compaction and close. Entries lost in a
         crash only lower approximate-mode recall until `rebuild`; strict reuse never uses it."""
         if self.router is not None:
-            self.router.index.save()  # type: ignore[attr-defined]
+            self.router.index.save()
         self._unsaved = 0
 
     def _record_hits(self, match: PrefixMatch) -> None:
@@ -440,7 +344,8 @@ class EdgeKV:
         fragments (whole or layer groups) is left in the store."""
         chain = store_key.split(".", 1)[0]
         if not any(self.store.contains(k) for k in {chain, *self.reader.store_keys(chain)}):
-            self.router.index.remove(chain)  # type: ignore[union-attr]
+            if self.router is not None:
+                self.router.index.remove(chain)
 
     def compact(self) -> object:
         from .compactor import compact

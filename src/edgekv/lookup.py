@@ -1,4 +1,9 @@
-"""Finding reusable KV for a request: the exact chain first, then verified semantic candidates.
+"""The reuse policy: what KV to restore for a request, as one typed `PrefixMatch`.
+
+`PrefixMatcher.match_prefix` walks one way: the exact chain of whole chunks, then (where reuse
+may end at any token) a radix step into the stored successors of the chain's last chunks,
+then (opt-in approximate mode only) the semantic router's best candidate. The orchestrator
+(`cache.py`) only injects what the match names.
 
 Rules (why each exists):
 - A chunk is identified by its chain key, which hashes the whole prefix; the exact chain walk is
@@ -14,17 +19,74 @@ Rules (why each exists):
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from .errors import IncompatibleFragment
-from .fragment import KVFragment
+from .fragment import KVFragment, common_prefix
 from .keys import next_key
 from .store.base import FragmentStore
 
-__all__ = ["Chunk", "ChunkReader"]
+if TYPE_CHECKING:
+    from .semantic.router import Route
+
+__all__ = ["Chunk", "ChunkReader", "PrefixMatch", "PrefixMatcher", "Router"]
+
+
+class Router(Protocol):
+    """The semantic router as the cache uses it (`semantic.SemanticRouter`)."""
+
+    index: "VectorIndexLike"
+
+    def route(self, text: str) -> Route: ...
+
+
+class VectorIndexLike(Protocol):
+    def add(self, key: str, vector: np.ndarray) -> None: ...
+
+    def remove(self, key: str) -> None: ...
+
+    def save(self) -> None: ...
+
+    def clear(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """What to restore for one request, and how it was found."""
+
+    n_tokens: int  # tokens to restore
+    chunks: tuple[Chunk, ...] = ()
+    exact_tokens: int = 0  # covered by the exact chain walk
+    approximate: bool = False
+    mismatched_tokens: int = 0  # approximate mode: restored positions whose token differs
+    tier: str = "none"  # exact / partial / miss from the semantic router, "none" without one
+    similarity: float = 0.0
+    route_s: float = 0.0
+    rejections: tuple[str, ...] = ()
+    route: Route | None = field(default=None, repr=False)  # the semantic route, if computed
+    token_exact: bool = False  # the engine passed the batch-invariance probe
+
+    @property
+    def fragments(self) -> tuple[KVFragment, ...]:
+        return tuple(f for c in self.chunks for f in c.fragments)
+
+    def batch_exact(self, chunk_size: int) -> bool:
+        """A warm run equals a cold one bit for bit: this request's own tokens, and either a
+        batch-invariant engine or whole chunks (computed by the same batch shape as cold)."""
+        return not self.approximate and (self.token_exact or self.n_tokens % chunk_size == 0)
+
+    @property
+    def source_tiers(self) -> tuple[str, ...]:
+        return tuple(c.tier for c in self.chunks)
+
+    def with_route(self, route: Route) -> PrefixMatch:
+        return replace(self, tier=route.tier.value, similarity=route.similarity,
+                       route_s=route.embed_s + route.search_s, route=route)
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +153,17 @@ class ChunkReader:
                 return Chunk(chain_key, tuple(frags), tuple(keys), tier)
         return None
 
+    def walk(self, keys: Sequence[str], now: float, rejections: list[str]) -> list[Chunk]:
+        """The exact chain walk: verified chunks under `keys`, from the first until one is
+        missing or refused."""
+        chunks: list[Chunk] = []
+        for key in keys:
+            chunk = self.read(key, now, rejections)
+            if chunk is None:
+                break
+            chunks.append(chunk)
+        return chunks
+
     def verify(self, frag: KVFragment, chain_key: str, lo: int, hi: int,
                 first: KVFragment | None) -> None:
         if frag.model_fingerprint != self.fingerprint:
@@ -131,3 +204,96 @@ class ChunkReader:
                 return None
             key = chunk.head.parent_key
         return None
+
+
+class PrefixMatcher:
+    """The reuse policy over one store: `match_prefix` returns what to restore.
+
+    `token_exact` (the engine passed the batch-invariance probe) lets reuse end at any token;
+    otherwise only whole chunks are strict, and the radix step runs only with `partial_reuse`
+    or in approximate mode (neither stored nor claimed exact then).
+    """
+
+    def __init__(self, reader: ChunkReader, chunk_size: int, *, token_exact: bool,
+                 partial_reuse: bool, min_reuse_tokens: int, router: Router | None) -> None:
+        self.reader, self.chunk_size, self.token_exact = reader, chunk_size, token_exact
+        self.partial_reuse, self.min_reuse_tokens = partial_reuse, min_reuse_tokens
+        self.router = router
+
+    def match_prefix(self, tokens: Sequence[int], keys: Sequence[str], root: str, *,
+                     text: str | None = None, approximate: bool = False,
+                     now: float | None = None) -> PrefixMatch:
+        """What to restore for `tokens` (whose chunk keys under the tenant `root` are `keys`):
+        at most len(tokens) - 1 positions, so the first output token is always computed.
+
+        Any KV valid for this request hangs off its own chain, so semantic search cannot find
+        more than the chain walk and the radix step; it is needed before the first token only
+        in approximate mode (`text` is then embedded).
+        """
+        now = time.time() if now is None else now
+        c, ids, limit = self.chunk_size, np.asarray(tokens, np.int32), len(tokens) - 1
+        rejections: list[str] = []
+        chunks = self.reader.walk(keys[: limit // c], now, rejections)
+        n = len(chunks) * c
+        best = PrefixMatch(n, tuple(chunks), n, token_exact=self.token_exact)
+        if self.partial_reuse or approximate or self.token_exact:
+            ext = self._successors(ids, chunks, limit, now, rejections, root)
+            if ext is not None:
+                best = replace(best, n_tokens=ext[1], chunks=tuple(ext[0]))
+        if approximate and self.router is not None and text is not None:
+            route = self.router.route(text)
+            best = best.with_route(route)
+            if route.tier.value != "miss" and route.candidates:
+                approx = self._approximate(route.candidates[0][0], ids, limit, now,
+                                           rejections, root)
+                if approx is not None and approx.n_tokens > best.n_tokens:
+                    best = replace(approx, exact_tokens=n, token_exact=self.token_exact
+                                   ).with_route(route)
+        return replace(best, rejections=tuple(rejections))
+
+    # -- private helpers -----------------------------------------------------------------
+
+    def _successors(self, ids: np.ndarray, exact: list[Chunk], limit: int, now: float,
+                    rejections: list[str], root: str) -> tuple[list[Chunk], int] | None:
+        """Extend the exact chain with a stored successor whose leading tokens match.
+
+        Candidates are the children of the last two chain keys (a trailing fragment shorter
+        than the minimum span is stored together with the chunk before it, so it hangs one
+        level up). Their token ids come from the store's index; only the best is read. Where
+        reuse may end at any token, any gain is taken (a token costs more to compute than to
+        read); elsewhere at least `min_reuse_tokens`.
+        """
+        children = getattr(self.reader.store, "children", None)
+        if children is None:
+            return None
+        c, start = self.chunk_size, len(exact) * self.chunk_size
+        best: tuple[int, int, str] | None = None  # (end, k0, chain key)
+        for k0 in range(max(0, len(exact) - 1), len(exact) + 1):
+            parent = exact[k0 - 1].chain_key if k0 else root
+            for skey, tok in children(parent):
+                same = common_prefix(tok, ids[k0 * c : limit])
+                end = k0 * c + same
+                gain = end - max(start, best[0] if best else 0)
+                if gain > 0 and (gain >= self.min_reuse_tokens or self.token_exact):
+                    best = (end, k0, skey.split(".", 1)[0])
+        if best is None:
+            return None
+        end, k0, key = best
+        chunk = self.reader.read(key, now, rejections)
+        parent = exact[k0 - 1].chain_key if k0 else root
+        if (chunk is None or chunk.token_start != k0 * c or chunk.head.parent_key != parent
+                or chunk.head.prefix_len(ids[k0 * c : end]) < end - k0 * c):
+            return None
+        return exact[:k0] + [chunk], end
+
+    def _approximate(self, cand: str, ids: np.ndarray, limit: int, now: float,
+                     rejections: list[str], root: str) -> PrefixMatch | None:
+        chain = self.reader.chain_back(cand, 0, now, rejections)
+        if not chain or chain[-1].token_end < 1 or chain[0].head.parent_key != root:
+            return None  # broken, empty, or another tenant's chain
+        n = min(chain[-1].token_end, limit)
+        used = [ch for ch in chain if ch.token_start < n]
+        stored_ids = np.concatenate([ch.head.token_ids for ch in used])[:n]
+        mismatched = int(np.count_nonzero(stored_ids != ids[:n]))
+        return PrefixMatch(n, tuple(used), approximate=mismatched > 0,
+                           mismatched_tokens=mismatched)
