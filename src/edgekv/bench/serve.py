@@ -1,0 +1,287 @@
+"""`edgekv bench serve`: EdgeKV's server against the servers users run instead, over HTTP.
+
+Real server processes, the real `openai` client, one multi-turn chat workload (users
+interleaved, each conversation growing turn by turn with the model's own earlier answers and
+a shared long system prompt), side by side in one run:
+
+- `edgekv serve` (cache on, and `--no-cache` as its own reference);
+- `python -m llama_cpp.server` with `--cache true` (LlamaRAMCache) and with `--cache false`;
+- llama.cpp's `llama-server`, built from the llama-cpp-python sdist's vendored tree with the
+  same CPU flags (`make llama-server`), as its users run it: default slots, `cache_prompt` on,
+  its RAM prompt cache, once more with `--cache-reuse 256`, and with `--no-cache-prompt`.
+
+Every server gets the same threads, model file and context size. Prompts are rendered once
+with the model's chat template and sent to `/v1/completions`, so every server answers the same
+text (their chat-template engines differ). The reference, plain llama-cpp-python with no cache,
+answers each request first; its answer goes into the conversation's history, so every server
+sees the same prompts. Requests go one at a time, the servers in rotating order, so machine
+drift hits all alike. Mid-run every cache-on server is restarted: what it costs is reported.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+from .workload import ChatHistory, chat_workload, render
+
+__all__ = ["SERVERS", "run_serve_bench"]
+
+# name -> (system, cache on?, the cache-off run it is compared with)
+SERVERS: dict[str, tuple[str, bool, str]] = {
+    "llama_cpp_server_nocache": ("llama_cpp_server", False, "llama_cpp_server_nocache"),
+    "edgekv": ("edgekv", True, "edgekv_nocache"),
+    "edgekv_nocache": ("edgekv", False, "edgekv_nocache"),
+    "llama_cpp_server": ("llama_cpp_server", True, "llama_cpp_server_nocache"),
+    "llama_server": ("llama_server", True, "llama_server_nocache"),
+    "llama_server_reuse": ("llama_server", True, "llama_server_nocache"),
+    "llama_server_nocache": ("llama_server", False, "llama_server_nocache"),
+}
+REFERENCE = "llama_cpp_server_nocache"  # plain llama-cpp-python: what a user gets, no cache
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    """One server process on loopback, restartable with the same command and directory."""
+
+    name: str
+    cmd: list[str]
+    health: str
+    port: int
+    log: Path
+    proc: subprocess.Popen[bytes] | None = None
+    starts: list[float] = field(default_factory=list)  # seconds from spawn to healthy
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 600.0) -> float:
+        t0 = time.perf_counter()
+        out = open(self.log, "ab")  # noqa: SIM115 - kept open for the process's lifetime
+        self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL)
+        while time.perf_counter() - t0 < timeout_s:
+            if self.proc.poll() is not None:
+                raise ConfigError(f"{self.name} exited with {self.proc.returncode} while "
+                                  f"starting; see {self.log}")
+            try:
+                with urllib.request.urlopen(self.base_url + self.health, timeout=2) as r:
+                    if r.status == 200:
+                        took = time.perf_counter() - t0
+                        self.starts.append(took)
+                        return took
+            except OSError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise ConfigError(f"{self.name} did not become healthy in {timeout_s:.0f} s; "
+                          f"see {self.log}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+
+def _commands(name: str, *, model: str, n_ctx: int, threads: int, root: Path,
+              llama_server: Path | None) -> tuple[list[str], str] | None:
+    """The command line of server `name` (with `{port}`) and its health path; None where the
+    server is not available (llama-server not built)."""
+    system, cache, _ = SERVERS[name]
+    py = sys.executable
+    if system == "edgekv":
+        cmd = [py, "-m", "edgekv", "serve", "--model", model, "--n-ctx", str(n_ctx),
+               "--port", "{port}", "--cache-dir", str(root / name)]
+        return (cmd if cache else cmd + ["--no-cache"]), "/health"
+    if system == "llama_cpp_server":
+        return [py, "-m", "llama_cpp.server", "--model", model, "--n_ctx", str(n_ctx),
+                "--n_threads", str(threads), "--n_threads_batch", str(threads),
+                "--host", "127.0.0.1", "--port", "{port}",
+                "--cache", "true" if cache else "false"], "/v1/models"
+    if llama_server is None:
+        return None
+    cmd = [str(llama_server), "-m", model, "-c", str(n_ctx), "-t", str(threads), "-tb",
+           str(threads), "--host", "127.0.0.1", "--port", "{port}", "--no-webui"]
+    if not cache:
+        cmd.append("--no-cache-prompt")
+    if name == "llama_server_reuse":
+        cmd += ["--cache-reuse", "256"]
+    return cmd, "/health"
+
+
+def _extra(system: str) -> dict[str, Any]:
+    """Sampling fields that make each server greedy and penalty-free (llama-cpp-python's server
+    defaults to repeat_penalty 1.1); EdgeKV takes the OpenAI fields only."""
+    return {} if system == "edgekv" else {"repeat_penalty": 1.0, "top_k": 1}
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    text: str
+    ttft_s: float
+    total_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    after_restart: bool
+
+
+def _ask(client: Any, system: str, prompt: str, max_tokens: int,
+         after_restart: bool) -> Answer:
+    t0 = time.perf_counter()
+    ttft = None
+    parts: list[str] = []
+    usage = None
+    stream = client.completions.create(
+        model="default" if system == "edgekv" else "model", prompt=prompt,
+        max_tokens=max_tokens, temperature=0.0, stream=True,
+        stream_options={"include_usage": True}, extra_body=_extra(system))
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            parts.append(chunk.choices[0].text)
+        if getattr(chunk, "usage", None) is not None:
+            usage = chunk.usage
+    total = time.perf_counter() - t0
+    details = getattr(usage, "prompt_tokens_details", None) if usage else None
+    cached = int(getattr(details, "cached_tokens", 0) or 0) if details else 0
+    return Answer("".join(parts), total if ttft is None else ttft, total,
+                  int(usage.prompt_tokens) if usage else 0, cached, after_restart)
+
+
+def _pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))] if s else 0.0
+
+
+def _summary(name: str, rows: list[Answer], own: list[Answer], ref: list[Answer],
+             server: Server) -> dict[str, Any]:
+    ttft = [a.ttft_s * 1000 for a in rows]
+    after = [a.ttft_s * 1000 for a in rows if a.after_restart]
+    system, cache, own_name = SERVERS[name]
+    return {
+        "system": system, "cache": cache, "requests": len(rows),
+        "ttft_ms_mean": round(statistics.fmean(ttft), 1),
+        "ttft_ms_p50": round(_pct(ttft, 0.5), 1), "ttft_ms_p95": round(_pct(ttft, 0.95), 1),
+        "e2e_ms_mean": round(statistics.fmean(a.total_s * 1000 for a in rows), 1),
+        "requests_per_s": round(len(rows) / sum(a.total_s for a in rows), 3),
+        "prompt_tokens": sum(a.prompt_tokens for a in rows),
+        "cached_tokens": sum(a.cached_tokens for a in rows),
+        "agreement_own_cache_off": round(
+            sum(a.text == b.text for a, b in zip(rows, own)) / len(rows), 4),
+        "own_cache_off_run": own_name,
+        "agreement_vs_plain": round(
+            sum(a.text == b.text for a, b in zip(rows, ref)) / len(rows), 4),
+        "start_s": [round(s, 2) for s in server.starts],
+        "ttft_ms_mean_after_restart": round(statistics.fmean(after), 1) if after else None,
+        "ttft_ms": [round(x, 1) for x in ttft],
+        "cached_per_request": [a.cached_tokens for a in rows],
+    }
+
+
+def run_serve_bench(*, model: str | None = None, requests: int = 40, users: int = 6,
+                    max_tokens: int = 48, n_ctx: int = 2048, seed: int = 0,
+                    restart_at: int | None = None, servers: tuple[str, ...] | None = None,
+                    llama_server: Path | None = None, workdir: Path,
+                    progress: bool = True) -> dict[str, Any]:
+    import llama_cpp
+    import openai
+
+    from ..chat import render_chat
+    from ..engines.models import resolve_model
+    from .report import environment
+
+    path = str(resolve_model(model))
+    threads = os.cpu_count() or 1
+    names = [n for n in SERVERS if servers is None or n in servers or n == REFERENCE
+             or n == SERVERS.get(n, ("", True, ""))[2]]
+    unknown = set(servers or ()) - set(SERVERS)
+    if unknown:
+        raise ConfigError(f"unknown servers {sorted(unknown)}; choose from {list(SERVERS)}")
+    if llama_server is not None and not llama_server.is_file():
+        raise ConfigError(f"{llama_server} does not exist: run `make llama-server`")
+    vocab = llama_cpp.Llama(path, vocab_only=True, verbose=False)
+    template = vocab.metadata.get("tokenizer.chat_template")
+    workdir.mkdir(parents=True, exist_ok=True)
+    procs: dict[str, Server] = {}
+    skipped = []
+    reqs = chat_workload(requests, seed=seed, max_tokens=max_tokens, users=users)
+    restart_at = requests // 2 if restart_at is None else restart_at
+    try:
+        for name in names:
+            got = _commands(name, model=path, n_ctx=n_ctx, threads=threads, root=workdir,
+                            llama_server=llama_server)
+            if got is None:
+                skipped.append(name)
+                continue
+            port = _free_port()
+            cmd = [c.replace("{port}", str(port)) for c in got[0]]
+            procs[name] = Server(name, cmd, got[1], port, workdir / f"{name}.log")
+            procs[name].start()
+        clients = {n: openai.OpenAI(base_url=s.base_url + "/v1", api_key="bench", timeout=900,
+                                    max_retries=0) for n, s in procs.items()}
+        others = [n for n in procs if n != REFERENCE]
+        answers: dict[str, list[Answer]] = {n: [] for n in procs}
+        history = ChatHistory()
+        t0 = time.perf_counter()
+        for i, req in enumerate(reqs):
+            filled = history.fill(req)
+            prompt = render(filled, template, render_chat)
+            if len(vocab.tokenize(prompt.encode(), special=True)) + max_tokens > n_ctx:
+                prompt = render(history.restart(req), template, render_chat)
+            restarted = i >= restart_at
+            if i == restart_at:  # what a restart costs: every cache-on server, same dirs
+                for n, s in procs.items():
+                    if SERVERS[n][1]:
+                        s.stop()
+                        s.start()
+            order = [REFERENCE, *others[i % len(others):], *others[: i % len(others)]]
+            for n in order:
+                answers[n].append(_ask(clients[n], SERVERS[n][0], prompt, req.max_tokens,
+                                       restarted))
+            history.record(req, answers[REFERENCE][-1].text)
+            if progress:
+                print(f"\r  {i + 1}/{len(reqs)} requests, {time.perf_counter() - t0:.0f} s",
+                      end="" if i + 1 < len(reqs) else "\n", file=sys.stderr, flush=True)
+        out = {n: _summary(n, answers[n], answers[SERVERS[n][2]], answers[REFERENCE], s)
+               for n, s in procs.items()}
+    finally:
+        for s in procs.values():
+            s.stop()
+        vocab.close()
+    for n, m in out.items():
+        if n != "edgekv" and "edgekv" in out:
+            m["edgekv_ttft_ratio"] = round(m["ttft_ms_mean"] / out["edgekv"]["ttft_ms_mean"], 3)
+    return {
+        "bench": "serve", "model": Path(path).name, "requests": len(reqs), "users": users,
+        "max_tokens": max_tokens, "n_ctx": n_ctx, "threads": threads, "restart_at": restart_at,
+        "reference": REFERENCE, "skipped": skipped,
+        "method": ("one request at a time, servers in rotating order; TTFT = first streamed "
+                   "text chunk via the openai client; prompts rendered once with the GGUF chat "
+                   "template and sent to /v1/completions; greedy (temperature 0; llama.cpp "
+                   "servers also repeat_penalty 1, top_k 1); history = the reference's answers; "
+                   "every cache-on server restarted before request restart_at"),
+        "servers": out, "environment": environment(),
+    }

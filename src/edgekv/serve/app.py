@@ -1,0 +1,249 @@
+"""The ASGI app: OpenAI's chat and text completions over the one request path, `EdgeKV.generate`.
+
+`create_app` takes an EdgeKV that is already built (tests pass one over the fake engine) or a
+function that builds it; the function runs on the worker thread after the socket is up, so
+`GET /health` answers 503 while the model loads and 200 once it can serve. Requests are checked
+(key, size, fields, model, context) before they are queued; what is left is the worker's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+
+from ..cache import EdgeKV
+from ..errors import ConfigError
+from .errors import (CLIENT_GONE, APIError, api_error_response, client_gone_response,
+                     http_error_response)
+from .generation import Delta, Finished, GenRequest, ServedModel
+from .guard import Tenant, authenticate, read_body, wait_disconnect
+from .metrics import CONTENT_TYPE, CountResponses, ServeMetrics
+from .responses import DONE, CompletionShape, EventStream, sse
+from .schemas import ChatRequest, CompletionRequest, parse_request, render_messages
+from .scheduler import Job, Scheduler
+
+__all__ = ["ServeOptions", "create_app"]
+
+@dataclass(frozen=True, slots=True)
+class ServeOptions:
+    api_keys: tuple[str, ...] = ()  # empty: no authentication (loopback use)
+    max_queue: int = 16  # waiting requests per tenant before 429
+    max_waiting: int | None = None  # waiting requests in all (default 4 x max_queue)
+    max_body_bytes: int = 1 << 20  # a 2k-token context is ~10 KB of text; 1 MiB is generous
+    use_cache: bool = True  # False: every request runs cold (the reference in benchmarks)
+
+    def __post_init__(self) -> None:
+        if self.max_queue < 1 or (self.max_waiting is not None and self.max_waiting < 1):
+            raise ConfigError(f"max_queue={self.max_queue} (and max_waiting) must be >= 1")
+        if self.max_body_bytes < 1024:
+            raise ConfigError(f"max_body_bytes={self.max_body_bytes} is too small; use >= 1024")
+        if any(not k.strip() for k in self.api_keys):
+            raise ConfigError("an --api-key is empty; give non-empty keys")
+
+
+def create_app(kv: EdgeKV | Callable[[], EdgeKV], *, model_id: str | None = None,
+               options: ServeOptions = ServeOptions(),
+               on_load_error: Callable[[BaseException], None] | None = None) -> FastAPI:
+    """The app; `kv` is an EdgeKV or a loader. `model_id` (the name clients send) defaults to
+    the GGUF file's stem; a loader needs it, since /v1/models answers before loading ends."""
+    if model_id is None:
+        if callable(kv) and not isinstance(kv, EdgeKV):
+            raise ValueError("create_app with a loader needs model_id")
+        path = getattr(kv.adapter, "model_path", None)
+        model_id = path.stem if path is not None else "edgekv"
+    server = _Server(kv, model_id, options)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        server.scheduler.start(server.load, on_load_error)
+        yield
+        await asyncio.to_thread(server.close)
+
+    app = FastAPI(title="edgekv serve", docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=lifespan)
+    app.state.server = server
+    app.add_api_route("/v1/chat/completions", server.chat, methods=["POST"])
+    app.add_api_route("/v1/completions", server.completions, methods=["POST"])
+    app.add_api_route("/v1/models", server.models, methods=["GET"])
+    app.add_api_route("/v1/models/{name}", server.model, methods=["GET"])
+    app.add_api_route("/health", server.health, methods=["GET"])
+    app.add_api_route("/metrics", server.metrics_text, methods=["GET"])
+    app.add_exception_handler(APIError, api_error_response)  # type: ignore[arg-type]
+    app.add_exception_handler(HTTPException, http_error_response)  # type: ignore[arg-type]
+    app.add_exception_handler(ClientDisconnect, client_gone_response)
+    app.add_middleware(CountResponses, metrics=server.metrics)
+    return app
+
+
+class _Server:
+    """The app's state and handlers: one scheduler, one served model, one metrics registry."""
+
+    def __init__(self, kv: EdgeKV | Callable[[], EdgeKV], model_id: str,
+                 options: ServeOptions) -> None:
+        self.options, self.model_id = options, model_id
+        self.served: ServedModel | None = None
+        self._loader = None if isinstance(kv, EdgeKV) else kv
+        if isinstance(kv, EdgeKV):
+            self.served = ServedModel(kv, model_id, use_cache=options.use_cache)
+        self.scheduler = Scheduler(max_queue=options.max_queue,
+                                   max_waiting=options.max_waiting,
+                                   on_cancel=lambda stage: self.metrics.cancelled.labels(
+                                       stage).inc())
+        self.metrics = ServeMetrics(waiting=lambda: self.scheduler.waiting,
+                                    running=lambda: self.scheduler.running,
+                                    store_stats=self._store_stats)
+        self.created = int(time.time())
+
+    # -- lifecycle (worker thread / shutdown) --------------------------------------------
+
+    def load(self) -> None:
+        if self._loader is not None:
+            self.served = ServedModel(self._loader(), self.model_id,
+                                      use_cache=self.options.use_cache)
+
+    def close(self) -> None:
+        self.scheduler.stop()
+        if self._loader is not None and self.served is not None:  # we built it: we close it
+            self.served.kv.close()
+            close = getattr(self.served.kv.adapter, "close", None)
+            if close is not None:
+                close()
+
+    def _store_stats(self) -> list[Any]:
+        if self.served is None:
+            return []
+        store = self.served.kv.store
+        tiers = getattr(store, "tier_stats", None)
+        return list(tiers()) if tiers is not None else [store.stats()]
+
+    # -- handlers --------------------------------------------------------------------------
+
+    async def chat(self, request: Request) -> Response:
+        tenant = authenticate(request, self.options.api_keys)
+        req = parse_request(await read_body(request, self.options.max_body_bytes), ChatRequest)
+        served = self._model(req.model)
+        limit = req.limit()
+        served.check_limit(limit, "max_completion_tokens" if req.max_completion_tokens
+                           is not None else "max_tokens")
+        prompt = render_messages(served.chat_template, req.messages)
+        return await self._run(request, served, req, prompt, limit, tenant, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        tenant = authenticate(request, self.options.api_keys)
+        req = parse_request(await read_body(request, self.options.max_body_bytes),
+                            CompletionRequest)
+        served = self._model(req.model)
+        served.check_limit(req.max_tokens, "max_tokens")
+        one = req.single_prompt()
+        prompt = one if isinstance(one, str) else tuple(one)
+        return await self._run(request, served, req, prompt, req.max_tokens, tenant, chat=False)
+
+    async def models(self, request: Request) -> JSONResponse:
+        authenticate(request, self.options.api_keys)
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> JSONResponse:
+        authenticate(request, self.options.api_keys)
+        self._check_name(request.path_params["name"])
+        return JSONResponse(self._model_card())
+
+    async def health(self, request: Request) -> JSONResponse:
+        if self.served is not None and self.scheduler.ready.is_set():
+            return JSONResponse({"status": "ok", "model": self.model_id})
+        err = self.scheduler.load_error
+        body = ({"status": "failed", "error": str(err)} if err is not None
+                else {"status": "loading", "model": self.model_id})
+        return JSONResponse(body, status_code=503)
+
+    async def metrics_text(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+    # -- private helpers -------------------------------------------------------------------
+
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.model_id, "object": "model", "created": self.created,
+                "owned_by": "edgekv"}
+
+    def _check_name(self, name: str) -> None:
+        if name not in (self.model_id, "default"):
+            raise APIError(404, f"the model {name!r} does not exist here; this server serves "
+                           f"{self.model_id!r} (or say 'default'); see GET /v1/models",
+                           code="model_not_found", param="model")
+
+    def _model(self, name: str) -> ServedModel:
+        self._check_name(name)
+        if self.served is None or not self.scheduler.ready.is_set():
+            err = self.scheduler.load_error
+            raise APIError(503, f"the model could not be loaded ({err}); see the server log"
+                           if err else "the model is still loading; retry when GET /health "
+                           "answers 200", type="server_error",
+                           code="model_load_failed" if err else "model_loading",
+                           headers={"Retry-After": "2"})
+        return self.served
+
+    async def _run(self, request: Request, served: ServedModel,
+                   req: ChatRequest | CompletionRequest, prompt: str | tuple[int, ...],
+                   limit: int | None, tenant: Tenant, *, chat: bool) -> Response:
+        tokens, max_tokens = await asyncio.to_thread(served.prepare, prompt, limit,
+                                                     "messages" if chat else "prompt")
+        seed = secrets.randbits(32) if req.seed is None else req.seed % 2**63
+        gen = GenRequest(tokens=tokens, max_tokens=max_tokens, temperature=req.temperature,
+                         top_p=req.top_p, seed=seed, stop=req.stops(),
+                         salt=tenant.salt(req.cache_salt))
+        job = Job(tenant.queue(req.cache_salt), lambda j: served.run(gen, j, self.metrics),
+                  asyncio.get_running_loop())
+        self.scheduler.submit(job)
+        gone = asyncio.ensure_future(wait_disconnect(request.receive))
+        shape = CompletionShape(chat, self.model_id, "fp_" + served.kv.fingerprint[:12])
+        handed_over = False
+        try:
+            event = await job.next_event(gone)
+            if isinstance(event, APIError):
+                raise event
+            if event is not None and req.stream:
+                usage = bool(req.stream_options and req.stream_options.include_usage)
+                handed_over = True
+                return EventStream(self._frames(job, gone, shape, usage),
+                                   on_close=lambda: self._release(job, gone))
+            while event is not None and not isinstance(event, Finished):
+                event = await job.next_event(gone)
+                if isinstance(event, APIError):
+                    raise event
+            if event is None:
+                return Response(status_code=CLIENT_GONE)
+            return JSONResponse(shape.whole(event))
+        finally:
+            if not handed_over:
+                self._release(job, gone)
+
+    async def _frames(self, job: Job, gone: asyncio.Future[None], shape: CompletionShape,
+                      usage: bool) -> AsyncIterator[bytes]:
+        if shape.chat:
+            yield sse(shape.chunk("", role=True, with_usage=usage))
+        while (event := await job.next_event(gone)) is not None:
+            if isinstance(event, Delta):
+                yield sse(shape.chunk(event.text, with_usage=usage))
+            elif isinstance(event, Finished):
+                yield sse(shape.chunk(None, finish_reason=event.finish_reason, with_usage=usage))
+                if usage:
+                    yield sse(shape.usage_chunk(event))
+                yield DONE
+                return
+            elif isinstance(event, APIError):
+                yield sse(event.body())
+                yield DONE
+                return
+
+    def _release(self, job: Job, gone: asyncio.Future[None]) -> None:
+        gone.cancel()
+        self.scheduler.cancel(job)  # a no-op once the job has finished

@@ -1,0 +1,79 @@
+"""OpenAI-style error objects: one exception type that carries its HTTP status.
+
+Clients written for OpenAI (the `openai` package, LangChain, curl scripts) branch on the status
+code and read `error.message`, `error.type` and `error.code`; every refusal the server makes,
+from a malformed body to a full queue, is raised as an `APIError` and rendered the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from ..errors import ConfigError, EdgeKVError
+
+__all__ = [
+    "APIError", "CLIENT_GONE", "api_error_response", "bad_request", "client_gone_response",
+    "from_library_error", "http_error_response",
+]
+
+CLIENT_GONE = 499  # nginx's "client closed request": nobody reads it, the metrics count it
+
+
+class APIError(Exception):
+    """A request the server answers with an error object instead of a completion."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 code: str | None = None, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+        self.code, self.param, self.headers = code, param, headers or {}
+
+    def body(self) -> dict[str, Any]:
+        """The wire form: `{"error": {"message", "type", "param", "code"}}`."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def bad_request(message: str, *, code: str = "invalid_value",
+                param: str | None = None) -> APIError:
+    return APIError(400, message, code=code, param=param)
+
+
+def from_library_error(e: EdgeKVError) -> APIError:
+    """Map an error `EdgeKV.generate` raised. The server validates before it queues, so most
+    of these are server faults (500); the input checks the library repeats stay 400."""
+    text = str(e)
+    if "context window" in text:
+        return bad_request(text, code="context_length_exceeded", param="messages")
+    if isinstance(e, ConfigError) or "empty" in text:
+        return bad_request(text)
+    return APIError(500, f"the engine failed: {text}", type="server_error",
+                    code="internal_error")
+
+
+async def api_error_response(request: Request, e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+async def http_error_response(request: Request, e: HTTPException) -> JSONResponse:
+    """Starlette's own refusals (no such route, wrong method) as OpenAI error objects."""
+    if e.status_code == 404:
+        msg = (f"no route {request.method} {request.url.path}; the API is under /v1 "
+               "(POST /v1/chat/completions, POST /v1/completions, GET /v1/models)")
+        code: str | None = "not_found"
+    elif e.status_code == 405:
+        msg, code = f"{request.method} is not allowed on {request.url.path}", "method_not_allowed"
+    else:
+        msg, code = str(e.detail), None
+    return JSONResponse(APIError(e.status_code, msg, code=code).body(),
+                        status_code=e.status_code, headers=getattr(e, "headers", None))
+
+
+async def client_gone_response(request: Request, e: Exception) -> Response:
+    """The client hung up while sending its body: nothing to answer, only to count."""
+    return Response(status_code=CLIENT_GONE)

@@ -1,0 +1,141 @@
+"""`/metrics` in the Prometheus text format, named after vLLM's metrics under `edgekv_`.
+
+Why vLLM's names: dashboards and alerts written for vLLM (prefix-cache hit rate =
+hits / queries, TTFT and end-to-end latency histograms, running / waiting gauges) then work
+with a `vllm:` -> `edgekv_` rename. Each server owns its registry, so two apps in one process
+(tests) never share counters. Store figures are read from the store when scraped, so they are
+never stale and cost nothing between scrapes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
+                               generate_latest)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ..store.base import StoreStats
+
+__all__ = ["CONTENT_TYPE", "CountResponses", "ServeMetrics"]
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST  # what generate_latest writes
+
+# vLLM's buckets (vllm/engine/metrics.py), so histograms compare bucket for bucket
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class ServeMetrics:
+    """The server's counters; `render()` is the body of GET /metrics."""
+
+    def __init__(self, *, waiting: Callable[[], int], running: Callable[[], int],
+                 store_stats: Callable[[], Sequence[StoreStats]]) -> None:
+        r = self.registry = CollectorRegistry()
+        self.prefix_queries = Counter(
+            "edgekv_prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
+            "(tokens, not requests)", registry=r)
+        self.prefix_hits = Counter(
+            "edgekv_prefix_cache_hits", "Prompt tokens restored from the prefix cache "
+            "(tokens; hit rate = hits / queries)", registry=r)
+        self.prompt_tokens = Counter("edgekv_prompt_tokens", "Prompt tokens processed",
+                                     registry=r)
+        self.generation_tokens = Counter("edgekv_generation_tokens", "Tokens generated",
+                                         registry=r)
+        self.ttft = Histogram(
+            "edgekv_time_to_first_token_seconds", "Arrival to first token (queueing "
+            "included)", buckets=TTFT_BUCKETS, registry=r)
+        self.e2e = Histogram("edgekv_e2e_request_latency_seconds", "Arrival to last token",
+                             buckets=E2E_BUCKETS, registry=r)
+        Gauge("edgekv_num_requests_running", "Requests generating now",
+              registry=r).set_function(running)
+        Gauge("edgekv_num_requests_waiting", "Requests queued for the worker",
+              registry=r).set_function(waiting)
+        self.requests = Counter("edgekv_requests", "HTTP responses by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.cancelled = Counter("edgekv_requests_cancelled", "Requests whose client went "
+                                 "away, by where they were (waiting or running)", ["stage"],
+                                 registry=r)
+        self._refused = 0  # requests during which an injection was refused
+        self._lock = threading.Lock()
+        r.register(_StoreCollector(store_stats, self.refused))
+
+    def observe(self, *, prompt_tokens: int, cached_tokens: int, completion_tokens: int,
+                ttft_s: float, e2e_s: float, refused_injection: bool) -> None:
+        """Record one finished generation."""
+        self.prefix_queries.inc(prompt_tokens)
+        self.prefix_hits.inc(cached_tokens)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(completion_tokens)
+        self.ttft.observe(ttft_s)
+        self.e2e.observe(e2e_s)
+        if refused_injection:
+            with self._lock:
+                self._refused += 1
+
+    def refused(self) -> int:
+        with self._lock:
+            return self._refused
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _StoreCollector(Collector):
+    """Store gauges and fault counters, read from the tiers at scrape time."""
+
+    def __init__(self, stats: Callable[[], Sequence[StoreStats]],
+                 refused: Callable[[], int]) -> None:
+        self._stats, self._refused = stats, refused
+
+    def collect(self) -> Iterator[Metric]:
+        tiers = list(self._stats())
+        size = GaugeMetricFamily("edgekv_store_bytes", "Bytes held by each store tier",
+                                 labels=["tier"])
+        entries = GaugeMetricFamily("edgekv_store_entries", "Fragments held by each store tier",
+                                    labels=["tier"])
+        evictions = CounterMetricFamily("edgekv_store_evictions", "Fragments evicted for "
+                                        "capacity, by tier", labels=["tier"])
+        for s in tiers:
+            size.add_metric([s.tier], s.bytes)
+            entries.add_metric([s.tier], s.entries)
+            evictions.add_metric([s.tier], s.evictions)
+        faults = CounterMetricFamily(
+            "edgekv_faults", "Faults met and survived: corrupt_entry = stored entries that "
+            "failed verification (read as misses); refused_injection = requests where a "
+            "fragment was refused and the prompt recomputed", labels=["kind"])
+        faults.add_metric(["corrupt_entry"], sum(s.corrupt for s in tiers))
+        faults.add_metric(["refused_injection"], self._refused())
+        yield from (size, entries, evictions, faults)
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())  # families are only known at scrape time; nothing to pre-register
+
+
+class CountResponses:
+    """ASGI middleware: count every response by endpoint and status, streams included (a pure
+    ASGI wrapper, unlike BaseHTTPMiddleware, leaves streaming and disconnects alone)."""
+
+    def __init__(self, app: Any, metrics: ServeMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        endpoint = path if path in ENDPOINTS else (  # unknown paths share one label
+            "/v1/models" if path.startswith("/v1/models/") else "other")
+
+        async def counting(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.requests.labels(endpoint, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting)

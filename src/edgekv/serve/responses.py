@@ -1,0 +1,111 @@
+"""OpenAI response objects and the server-sent-event stream that carries the chunks.
+
+The shapes follow the OpenAI API reference: `chat.completion` / `chat.completion.chunk` and
+`text_completion`, usage with `prompt_tokens_details.cached_tokens` (here: the prompt tokens
+whose KV came from the fragment cache instead of being computed).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from .generation import Finished
+
+__all__ = ["CompletionShape", "EventStream", "sse", "usage"]
+
+DONE = b"data: [DONE]\n\n"
+
+
+def usage(f: Finished) -> dict[str, Any]:
+    return {"prompt_tokens": f.prompt_tokens, "completion_tokens": f.completion_tokens,
+            "total_tokens": f.prompt_tokens + f.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": f.cached_tokens}}
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+@dataclass(slots=True)
+class CompletionShape:
+    """The objects of one response, chat or text completion, sharing id, time and model."""
+
+    chat: bool
+    model: str
+    fingerprint: str
+    id: str = ""
+    created: int = 0
+
+    def __post_init__(self) -> None:
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + secrets.token_hex(12)
+        self.created = int(time.time())
+
+    def whole(self, f: Finished) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": f.finish_reason}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": f.text}
+        else:
+            choice["text"] = f.text
+        return {**self._head(""), "choices": [choice], "usage": usage(f)}
+
+    def chunk(self, text: str | None = None, *, role: bool = False,
+              finish_reason: str | None = None, with_usage: bool = False) -> dict[str, Any]:
+        """One streamed chunk; `with_usage` adds `"usage": null` as OpenAI does once usage
+        was asked for (the usage itself comes in `usage_chunk`)."""
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            choice["delta"] = delta
+        else:
+            choice["text"] = text or ""
+        out = {**self._head(".chunk"), "choices": [choice]}
+        if with_usage:
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self, f: Finished) -> dict[str, Any]:
+        return {**self._head(".chunk"), "choices": [], "usage": usage(f)}
+
+    def _head(self, suffix: str) -> dict[str, Any]:
+        obj = ("chat.completion" + suffix) if self.chat else "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": self.fingerprint}
+
+
+class EventStream(Response):
+    """`text/event-stream` from an async iterator of ready `data:` frames.
+
+    Unlike a plain StreamingResponse it owns no disconnect logic of its own: the iterator
+    already races each event against the client's disconnect, and `on_close` (cancel the job)
+    runs however the stream ends, so a client that goes away frees its place at once.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, frames: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+        self.status_code = 200
+        self.background = None
+        self._frames, self._on_close = frames, on_close
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": self.status_code,
+                        "headers": self.raw_headers})
+            async for frame in self._frames:
+                await send({"type": "http.response.body", "body": frame, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:  # the client closed the connection mid-stream
+            pass
+        finally:
+            self._on_close()

@@ -1,0 +1,105 @@
+"""Run the server: bind first, then load the model in the background, then serve.
+
+Why bind before loading: a supervisor (or a test) can connect at once and watch `/health` go
+from 503 to 200, instead of guessing when a multi-second model load has finished; and a port
+that is taken fails at once, before seconds of loading are wasted.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+from collections.abc import Callable
+from pathlib import Path
+
+from ..cache import EdgeKV
+from ..config import CacheConfig
+from ..errors import EdgeKVError, EngineError
+from .app import ServeOptions, create_app
+
+__all__ = ["bind", "load_edgekv", "run"]
+
+log = logging.getLogger(__name__)
+
+
+def load_edgekv(model: str | Path | None, config: CacheConfig, *, n_ctx: int = 2048,
+                engine: str = "llamacpp", store_url: str | None = None,
+                n_threads: int | None = None) -> EdgeKV:
+    """The EdgeKV the server uses: RAM in front of the disk store, or of `store_url`
+    (`redis://...` shares fragments between server processes)."""
+    if store_url is None:
+        from .. import open_llamacpp
+
+        return open_llamacpp(model, config, n_ctx=n_ctx, engine=engine, n_threads=n_threads)
+    from ..engines import open_adapter
+    from ..store import MemoryStore, TieredStore, open_store_url
+
+    adapter = open_adapter(engine, model, n_ctx=n_ctx, n_threads=n_threads,
+                           memo_dir=config.cache_dir)
+    store = TieredStore(MemoryStore(config.ram_capacity_bytes),
+                        open_store_url(store_url, config.disk_capacity_bytes))
+    return EdgeKV(adapter, store, config)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (0 picks a free port)."""
+    family, kind, proto, _, addr = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise EdgeKVError(f"cannot listen on {host}:{port} ({e}); pick another --port "
+                          "(0 picks a free one)") from None
+    sock.listen(128)
+    return sock
+
+
+def run(load: Callable[[], EdgeKV], *, model_id: str, options: ServeOptions,
+        host: str = "127.0.0.1", port: int = 8080,
+        announce: Callable[[str], None] | None = None, log_level: str = "warning") -> int:
+    """Serve until interrupted. `announce` gets the base URL once the socket listens."""
+    import uvicorn
+
+    if not options.api_keys and not _loopback(host):
+        log.warning("serving on %s without --api-key: anyone who can reach it can use it and "
+                    "read its timing; add --api-key KEY", host)
+    sock = bind(host, port)
+    failed: list[BaseException] = []
+    server: uvicorn.Server | None = None
+
+    def on_load_error(e: BaseException) -> None:
+        failed.append(e)
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(load, model_id=model_id, options=options, on_load_error=on_load_error)
+    server = uvicorn.Server(uvicorn.Config(
+        app, log_level=log_level, access_log=log_level == "info", ws="none", lifespan="on",
+        timeout_graceful_shutdown=5))
+    bound_host, bound_port = sock.getsockname()[:2]
+    if announce is not None:
+        shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+        announce(f"http://{shown}:{bound_port}")
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    if failed:
+        e = failed[0]
+        if isinstance(e, EdgeKVError):
+            raise e
+        raise EngineError(f"the model could not be loaded: {e}") from e
+    return 0
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,197 @@
+"""One worker thread, fed fairly: a bounded FIFO per tenant, served round-robin.
+
+Why one thread: EdgeKV and its engine hold one sequence and are not thread-safe, and on a small
+CPU two generations at once would only share the same cores. Why per-tenant queues: a tenant
+that sends fifty requests must not make another tenant's single request wait behind all fifty;
+tenants take turns, each in arrival order. Why bounded: a request that cannot start soon is
+better refused at once (429, the client backs off) than held until it times out.
+
+The worker communicates with the asyncio side only through `Job.emit`, which hands each event
+to the request's event loop thread-safely.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from typing import Any
+
+from .errors import APIError
+
+__all__ = ["Job", "QueueFull", "Scheduler"]
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(APIError):
+    def __init__(self, message: str) -> None:
+        super().__init__(429, message, type="rate_limit_error", code="queue_full",
+                         headers={"Retry-After": "1"})
+
+
+class Job:
+    """One request's work (run on the worker thread) and its event channel back to asyncio."""
+
+    def __init__(self, tenant: str, work: Callable[[Job], None],
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self.tenant, self.work, self.loop = tenant, work, loop
+        self.events: asyncio.Queue[Any] = asyncio.Queue()
+        self.cancelled = threading.Event()  # checked by the work between tokens
+        self.arrived = time.perf_counter()
+        self.started: float | None = None
+        self.done = False  # set by the consumer once it has the final event
+
+    async def next_event(self, gone: asyncio.Future[None]) -> object | None:
+        """The next event for the request, or None if `gone` (the client left) came first;
+        the final event (a result or an error) marks the job done."""
+        get = asyncio.ensure_future(self.events.get())
+        finished, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if get not in finished:
+            get.cancel()
+            return None
+        event = get.result()
+        if isinstance(event, APIError) or getattr(event, "final", False):
+            self.done = True
+        return event
+
+    def emit(self, event: object) -> None:
+        """Queue `event` for the request (from any thread); a closed loop drops it."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
+            pass
+
+
+class Scheduler:
+    """Fair FIFO queues and the worker thread that runs each job's `work` in turn."""
+
+    def __init__(self, *, max_queue: int = 16, max_waiting: int | None = None,
+                 on_cancel: Callable[[str], None] | None = None) -> None:
+        if max_queue < 1:
+            raise ValueError(f"max_queue={max_queue} must be >= 1")
+        self.max_queue = max_queue
+        self.max_waiting = max_waiting or 4 * max_queue
+        self._queues: OrderedDict[str, deque[Job]] = OrderedDict()
+        self._cond = threading.Condition()
+        self._running: Job | None = None
+        self._waiting = 0
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._on_cancel = on_cancel or (lambda stage: None)
+        self.ready = threading.Event()  # set once `setup` has run
+        self.load_error: BaseException | None = None
+
+    # -- public API ----------------------------------------------------------------------
+
+    @property
+    def waiting(self) -> int:
+        return self._waiting
+
+    @property
+    def running(self) -> int:
+        return 0 if self._running is None else 1
+
+    def start(self, setup: Callable[[], None] | None = None,
+              on_error: Callable[[BaseException], None] | None = None) -> None:
+        """Start the worker; it runs `setup` (loading the model) before the first job."""
+        self._thread = threading.Thread(target=self._loop, args=(setup, on_error),
+                                        name="edgekv-serve-worker", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        """Queue `job` behind its tenant's earlier jobs, or raise QueueFull (429) at once."""
+        with self._cond:
+            if self._stopping:
+                raise APIError(503, "the server is shutting down; retry on another instance",
+                               type="server_error", code="shutting_down")
+            q = self._queues.get(job.tenant)
+            if q is not None and len(q) >= self.max_queue:
+                raise QueueFull(f"this tenant already has {len(q)} requests waiting (the "
+                                f"limit, --max-queue); retry after one finishes")
+            if self._waiting >= self.max_waiting:
+                raise QueueFull(f"{self._waiting} requests are waiting (the server's limit); "
+                                "retry in a moment")
+            self._queues.setdefault(job.tenant, deque()).append(job)
+            self._waiting += 1
+            self._cond.notify()
+
+    def cancel(self, job: Job) -> None:
+        """The client went away: drop `job` if it waits, ask it to stop if it runs."""
+        if job.done:
+            return
+        with self._cond:
+            q = self._queues.get(job.tenant)
+            if q is not None and job in q:
+                q.remove(job)
+                self._waiting -= 1
+                if not q:
+                    del self._queues[job.tenant]
+                self._on_cancel("waiting")
+                return
+            if self._running is job and not job.cancelled.is_set():
+                job.cancelled.set()
+                self._on_cancel("running")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Refuse new jobs, fail the waiting ones, stop the running one, join the worker."""
+        with self._cond:
+            self._stopping = True
+            dropped = [j for q in self._queues.values() for j in q]
+            self._queues.clear()
+            self._waiting = 0
+            if self._running is not None:
+                self._running.cancelled.set()
+            self._cond.notify_all()
+        for job in dropped:
+            job.emit(APIError(503, "the server is shutting down", type="server_error",
+                              code="shutting_down"))
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("the worker did not stop within %.0f s", timeout)
+
+    # -- private helpers -----------------------------------------------------------------
+
+    def _next(self) -> Job | None:
+        with self._cond:
+            while not self._stopping and not self._queues:
+                self._cond.wait()
+            if self._stopping:
+                return None
+            tenant, q = next(iter(self._queues.items()))
+            job = q.popleft()
+            if q:
+                self._queues.move_to_end(tenant)  # the tenant's next job waits for the others
+            else:
+                del self._queues[tenant]
+            self._waiting -= 1
+            self._running = job
+            job.started = time.perf_counter()
+            return job
+
+    def _loop(self, setup: Callable[[], None] | None,
+              on_error: Callable[[BaseException], None] | None) -> None:
+        if setup is not None:
+            try:
+                setup()
+            except BaseException as e:  # noqa: BLE001 - reported, and the server says so
+                log.error("loading the model failed: %s", e, exc_info=True)
+                self.load_error = e
+                if on_error is not None:
+                    on_error(e)
+                return
+        self.ready.set()
+        while (job := self._next()) is not None:
+            try:
+                job.work(job)
+            except BaseException as e:  # noqa: BLE001 - the worker must outlive any request
+                log.exception("request failed on the worker")
+                job.emit(APIError(500, f"internal error: {e}", type="server_error",
+                                  code="internal_error"))
+            finally:
+                with self._cond:
+                    self._running = None

@@ -1,0 +1,96 @@
+"""Helpers for the server tests: a fake engine with a chat template and a gate, an in-process
+uvicorn server on a free port, and readers for SSE streams and Prometheus text."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from edgekv import EdgeKV
+from edgekv.engines.fake import FakeAdapter
+from edgekv.serve import ServeOptions, bind, create_app
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+          "{% endfor %}<|im_start|>assistant\n")
+
+
+class ChatFake(FakeAdapter):
+    """The fake engine plus a chat template, a gate that holds each decode step while closed
+    (so a test can keep a request running), and a log of the prompts it prefilled."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.decoding = threading.Event()  # set once a decode step waits at the gate
+        self.prefills: list[tuple[int, ...]] = []
+
+    def chat_template(self) -> str:
+        return CHATML
+
+    def prefill(self, tokens: Sequence[int], *, align: int):  # type: ignore[no-untyped-def]
+        if align == 1:  # one sampled token: a decode step
+            self.decoding.set()
+            if not self.gate.wait(20):
+                raise TimeoutError("the test never opened the gate")
+        else:
+            self.prefills.append(tuple(tokens))
+        return super().prefill(tokens, align=align)
+
+
+@contextmanager
+def live_server(kv: EdgeKV | Any, *, model_id: str | None = "fake-model",
+                **options: Any) -> Iterator[str]:
+    """Serve `kv` (an EdgeKV or a loader) with uvicorn on a free loopback port; yields the URL."""
+    app = create_app(kv, model_id=model_id, options=ServeOptions(**options))
+    sock = bind("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", ws="none", lifespan="on",
+                                           timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "the test server did not start"
+        time.sleep(0.005)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        adapter = getattr(kv, "adapter", None)
+        if isinstance(adapter, ChatFake):
+            adapter.gate.set()
+        server.should_exit = True
+        thread.join(15)
+        sock.close()
+
+
+def sse_chunks(body: str) -> list[dict[str, Any]]:
+    """The JSON chunks of an SSE body, checking the framing and the final [DONE]."""
+    frames = [f for f in body.split("\n\n") if f]
+    assert frames and frames[-1] == "data: [DONE]", body[-200:]
+    assert all(f.startswith("data: ") for f in frames)
+    return [json.loads(f[len("data: "):]) for f in frames[:-1]]
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """A sample's value from GET /metrics (0 if absent)."""
+    text = httpx.get(f"{url}/metrics").text
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return float(s.value)
+    return 0.0
+
+
+def wait_for(cond: Any, timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
