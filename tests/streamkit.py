@@ -7,9 +7,9 @@ import threading
 
 
 class TamperProxy:
-    """Forwards 127.0.0.1:<port> to a target; can stall the reply after `stall_at` bytes, and flips one byte of the server's reply stream at
-    `flip_at` (counted over the whole connection) on connections whose request contains
-    `only_path`."""
+    """Forwards 127.0.0.1:<port> to a target; can stall the reply after `stall_at` bytes, and
+    flips one byte of the server's reply stream at `flip_at` (counted over the whole
+    connection) on connections whose request contains `only_path`."""
 
     def __init__(self, target: tuple[str, int], flip_at: int = -1, only_path: bytes = b"/v1/chunks",
                  stall_at: int = -1):

@@ -7,8 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from edgekv.bench.workload import (CHAT_MAX_TOKENS, ChatHistory, Request, chat_workload,
-                                   load_workload, parse_workload, render, with_history)
+from edgekv.bench.workload import (
+    CHAT_MAX_TOKENS,
+    ChatHistory,
+    Request,
+    chat_workload,
+    load_workload,
+    parse_workload,
+    render,
+    with_history,
+)
 from edgekv.cli import main
 from edgekv.errors import ConfigError
 

@@ -6,9 +6,17 @@ import logging
 import numpy as np
 import pytest
 
-from edgekv import CacheConfig, EdgeKV, EdgeKVError, IncompatibleFragment, open_store
+from edgekv import (
+    CacheConfig,
+    EdgeKV,
+    EdgeKVError,
+    FragmentSpec,
+    IncompatibleFragment,
+    open_store,
+)
 from edgekv.engines.fake import FakeAdapter
-from edgekv.engines.base import aligned_batches, check_injectable
+from edgekv.engines.shared import aligned_batches, check_injectable
+from edgekv.request import Filled
 
 CONTEXT = "The hub connects lights, thermostats and sensors. " * 6  # ~300 fake tokens
 
@@ -64,7 +72,8 @@ def test_foreign_fragment_under_the_right_key_is_rejected(fake_cache, caplog):
     fake_cache.generate(prompt, max_tokens=4)
     key = fake_cache.chunk_keys(fake_cache.adapter.tokenize(prompt))[0]
     good = fake_cache.store.get(key)
-    fake_cache.store.put(key, dataclasses.replace(good, model_fingerprint="f" * 64, content_hash=""))
+    fake_cache.store.put(key, dataclasses.replace(good, model_fingerprint="f" * 64,
+                                                  content_hash=""))
     with caplog.at_level(logging.WARNING):
         r = fake_cache.generate(prompt, max_tokens=4)
     assert r.cached_tokens == 0 and r.rejections and "another model" in caplog.text
@@ -146,3 +155,53 @@ def test_aligned_batches():
     assert aligned_batches(0, 300, 128) == [(0, 128), (128, 256), (256, 300)]
     assert aligned_batches(256, 20, 128) == [(256, 276)]
     assert aligned_batches(100, 60, 64) == [(100, 128), (128, 160)]
+
+
+class FromElsewhere:
+    """A fill step (`request.FillStep`) that appends chunks another engine computed: what the
+    SparKV executor does over the network, without one."""
+
+    def __init__(self, fragments, exact=True):
+        self.fragments, self.exact, self.requests = fragments, exact, []
+
+    def fill(self, req):
+        self.requests.append(req)
+        c = req.chunk_size
+        todo = [f for f in self.fragments if req.held <= f.token_start < req.n_chunks * c]
+        for f in todo:
+            req.check(f, f.token_start // c)
+        req.adapter.append_fragments(todo)
+        return Filled(req.n_chunks * c, len(todo) * c, self.exact)
+
+
+def test_a_fill_step_extends_the_match_before_the_prefill(fake_cache):
+    tokens = fake_cache.adapter.tokenize(CONTEXT + "Question one?")
+    keys = fake_cache.chunk_keys(tokens)
+    other = FakeAdapter()
+    cold = other.prefill(tokens, align=64)
+    specs = [FragmentSpec(k, i * 64, (i + 1) * 64, parent_key=keys[i - 1] if i else "")
+             for i, k in enumerate(keys)]
+    frags = other.extract_fragments(specs)
+    step = FromElsewhere(frags)
+    r = fake_cache.generate(tokens, max_tokens=2, fill=step)
+    n = (len(tokens) - 1) // 64
+    assert (r.cached_tokens, r.streamed_tokens) == (0, n * 64)
+    assert r.computed_tokens == len(tokens) - n * 64 and r.stored_fragments > 0
+    assert np.array_equal(r.first_logits, cold)
+    again = fake_cache.generate(tokens, max_tokens=2, fill=step)  # whole chunks from the cache
+    assert (again.cached_tokens, again.streamed_tokens) == (n * 64, 0)
+    assert step.requests[-1].held == n * 64
+    with pytest.raises(IncompatibleFragment, match="chain key"):
+        step.requests[-1].check(frags[1], 0)  # chunk 1 offered as chunk 0
+
+
+def test_nothing_is_stored_on_top_of_inexact_fill(fake_cache):
+    tokens = list(range(2, 2 + 64 * 3 + 5))
+    keys = fake_cache.chunk_keys(tokens)
+    other = FakeAdapter()
+    other.prefill(tokens, align=64)
+    frags = other.extract_fragments([FragmentSpec(k, i * 64, (i + 1) * 64,
+                                                  parent_key=keys[i - 1] if i else "")
+                                     for i, k in enumerate(keys)])
+    r = fake_cache.generate(tokens, max_tokens=1, fill=FromElsewhere(frags, exact=False))
+    assert r.streamed_tokens == 192 and r.stored_fragments == 0

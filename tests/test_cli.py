@@ -25,7 +25,8 @@ def test_missing_model_is_a_clear_error(tmp_path, capsys):
 def test_not_a_gguf_is_refused(tmp_path, capsys):
     bad = tmp_path / "model.gguf"
     bad.write_bytes(b"not a model")
-    code = main(["generate", "--no-semantic", "--model", str(bad), "--cache-dir", str(tmp_path), "x"])
+    code = main(["generate", "--no-semantic", "--model", str(bad), "--cache-dir", str(tmp_path),
+                 "x"])
     assert code == 2 and "not a GGUF" in capsys.readouterr().err
 
 

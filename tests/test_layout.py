@@ -5,8 +5,13 @@ import dataclasses
 import numpy as np
 import pytest
 
-from edgekv.engines.layout import (can_inject, convert_fragment, from_head_major, rope_pair_perm,
-                                   to_head_major)
+from edgekv.engines.layout import (
+    can_inject,
+    convert_fragment,
+    from_head_major,
+    rope_pair_perm,
+    to_head_major,
+)
 from edgekv.keys import ModelFingerprint
 
 BASE = dict(file_sha256="w", architecture="llama", n_layer=4, n_head_kv=2, head_dim_k=4,

@@ -25,7 +25,7 @@ from edgekv.engines.llamacpp import LlamaCppAdapter  # noqa: E402
 
 MODEL = default_model_path()
 pytestmark = pytest.mark.real
-MANUAL = (Path(__file__).parent.parent / "src/edgekv/bench/texts.py").read_text()[:2500]
+MANUAL = (Path(__file__).parent.parent / "src/edgekv/texts.py").read_text()[:2500]
 
 
 @pytest.fixture(scope="module")

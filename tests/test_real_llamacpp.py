@@ -13,7 +13,6 @@ import pytest
 
 from edgekv import CacheConfig, EdgeKV, UnsupportedLayout, open_store
 from edgekv.engines.base import FragmentSpec
-
 from edgekv.engines.models import default_model_path
 
 from .conftest import real_stack
@@ -25,7 +24,7 @@ from edgekv.engines.llamacpp import LlamaCppAdapter  # noqa: E402
 MODEL = default_model_path()
 
 pytestmark = pytest.mark.real
-CONTEXT = (Path(__file__).parent.parent / "src/edgekv/bench/texts.py").read_text()
+CONTEXT = (Path(__file__).parent.parent / "src/edgekv/texts.py").read_text()
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +50,8 @@ def context_tokens(adapter, n=512):
 
 def test_warm_output_and_logits_equal_cold(kv, adapter):
     ctx = context_tokens(adapter)
-    q1 = adapter.tokenize("\n\nQuestion: How many devices can one hub hold?\nAnswer:", add_bos=False)
+    q1 = adapter.tokenize("\n\nQuestion: How many devices can one hub hold?\nAnswer:",
+                          add_bos=False)
     q2 = adapter.tokenize("\n\nQuestion: What does an orange ring mean?\nAnswer:", add_bos=False)
     kv.generate(ctx + q1, max_tokens=4)  # fills the cache from another request
     cold = kv.generate(ctx + q2, max_tokens=16, use_cache=False, keep_logits=True)
@@ -106,8 +106,9 @@ def test_cache_persists_across_processes(tmp_path):
 
 @pytest.mark.parametrize("damage", ["corrupt", "truncate", "foreign"])
 def test_damaged_or_foreign_disk_entry_is_a_miss(adapter, tmp_path, damage):
-    from edgekv.serial import decode_fragment, encode_fragment
     import dataclasses
+
+    from edgekv.serial import decode_fragment, encode_fragment
 
     cfg = CacheConfig(cache_dir=tmp_path, reuse_granularity="chunk")
     prompt = context_tokens(adapter, 400) + adapter.tokenize(" Answer:", add_bos=False)

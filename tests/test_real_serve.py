@@ -15,8 +15,8 @@ import time
 import httpx
 import pytest
 
-from edgekv.bench.texts import MANUAL, SYSTEM_PROMPT
 from edgekv.engines.models import default_model_path
+from edgekv.texts import MANUAL, SYSTEM_PROMPT
 
 from .conftest import real_stack
 

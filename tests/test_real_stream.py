@@ -15,13 +15,12 @@ import numpy as np
 import pytest
 
 from edgekv import CacheConfig, EdgeKV, open_store
-from edgekv.bench.texts import MANUAL, SYSTEM_PROMPT
+from edgekv.engines.models import default_model_path
 from edgekv.stream.client import KVClient
 from edgekv.stream.costmodel import CostModel
 from edgekv.stream.hybrid import HybridLoader
 from edgekv.stream.netem import Shaper
-
-from edgekv.engines.models import default_model_path
+from edgekv.texts import MANUAL, SYSTEM_PROMPT
 
 from .conftest import real_stack, require_real
 from .streamkit import TamperProxy
@@ -46,7 +45,8 @@ def start_server(tmp: Path, *extra: str) -> tuple[subprocess.Popen, str]:
     line = proc.stdout.readline()  # type: ignore[union-attr]
     if "listening on" not in line:
         stop(proc)
-        raise RuntimeError(f"kv-server did not start: {line!r} {(tmp / 'server.log').read_text()[-2000:]}")
+        tail = (tmp / "server.log").read_text()[-2000:]
+        raise RuntimeError(f"kv-server did not start: {line!r} {tail}")
     return proc, line.split("listening on ")[1].split()[0]
 
 

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from edgekv import CacheConfig, EdgeKV, open_store
-from edgekv.bench.texts import MANUAL
 from edgekv.engines.base import FragmentSpec
 from edgekv.engines.layout import can_inject, convert_fragment
+from edgekv.texts import MANUAL
 
 from .conftest import real_stack
 
@@ -47,7 +47,8 @@ def test_torch_layer_split_extract_inject_round_trip(engines):
     ids = t.tokenize(MANUAL)[:128]
     t.prefill(ids, align=128)
     whole = t.extract_fragments([FragmentSpec("w", 0, 128)])[0]
-    parts = t.extract_fragments([FragmentSpec("a", 0, 128, 0, 11), FragmentSpec("b", 0, 128, 11, 30)])
+    parts = t.extract_fragments([FragmentSpec("a", 0, 128, 0, 11),
+                                 FragmentSpec("b", 0, 128, 11, 30)])
     t.clear_kv_cache()
     t.inject_fragments(parts)
     again = t.extract_fragments([FragmentSpec("w", 0, 128)])[0]

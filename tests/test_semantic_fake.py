@@ -70,7 +70,8 @@ def test_approximate_mode_is_off_unless_asked(kv):
     cold = kv.generate(prompt, max_tokens=6, use_cache=False)
     strict = kv.generate(prompt, max_tokens=6, store=False)
     assert strict.match.tier in ("exact", "partial")
-    assert strict.cached_tokens == 0  # only "<bos>Intro " (7 tokens) is common: below min_reuse_tokens
+    # only "<bos>Intro " (7 tokens) is common: below min_reuse_tokens
+    assert strict.cached_tokens == 0
     approx = kv.generate(prompt, max_tokens=6, approximate=True)
     assert approx.match.approximate and approx.match.mismatched_tokens >= 1
     assert approx.cached_tokens > strict.cached_tokens

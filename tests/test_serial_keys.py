@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from edgekv import CorruptEntry
-from edgekv.keys import ModelFingerprint, chunk_keys
+from edgekv.keys import ModelFingerprint, chain_of, chunk_keys, store_key
 from edgekv.serial import decode_fragment, encode_fragment
 
 
@@ -46,3 +46,11 @@ def test_fingerprint_digest_changes_with_layout():
     assert ModelFingerprint(**{**base, "kv_dtype": "f32"}).digest != d
     assert ModelFingerprint(**{**base, "file_sha256": "y"}).digest != d
     assert ModelFingerprint(**base).digest == d
+
+
+def test_store_keys_name_a_layer_range_and_map_back_to_the_chain():
+    chain = chunk_keys("fp", list(range(64)), 64)[0]
+    assert store_key(chain, (0, 30), 30) == chain  # every layer: the chain key itself
+    group = store_key(chain, (10, 20), 30)
+    assert group == f"{chain}.L10-20"
+    assert chain_of(group) == chain_of(chain) == chain

@@ -282,7 +282,9 @@ def test_tenants_take_turns(url, kv):
     for i, (salt, prompt) in enumerate(order, 1):
         threads.append(background(url, {"prompt": prompt, "max_tokens": 1, "cache_salt": salt},
                                   done, "/v1/completions"))
-        wait_for(lambda: metric(url, "edgekv_num_requests_waiting") == i, what=prompt)
+        # called at once, inside this iteration: `i` is the value meant
+        wait_for(lambda: metric(url, "edgekv_num_requests_waiting") == i,  # noqa: B023
+                 what=prompt)
     kv.adapter.gate.set()
     for t in threads:
         t.join(20)

@@ -4,7 +4,7 @@ import sqlite3
 import pytest
 
 from edgekv import StoreError
-from edgekv.store import DiskStore, MemoryStore, TieredStore
+from edgekv.store import DiskStore, FragmentStore, MemoryStore, TieredStore
 
 
 def test_memory_lru_respects_capacity(fragment_factory):
@@ -122,3 +122,44 @@ def test_tiered_promotes_disk_hits_to_ram(tmp_path, fragment_factory):
     t = TieredStore(ram, disk)
     assert t.get("a") is not None and t.last_tier == "disk"
     assert t.get("a") is not None and t.last_tier == "ram"
+
+
+def test_tiered_clear_tier_empties_one_tier_by_name(tmp_path, fragment_factory):
+    ram, disk = MemoryStore(10**8), DiskStore(tmp_path, 10**9)
+    t = TieredStore(ram, disk)
+    t.put("a", fragment_factory())
+    assert t.clear_tier("ram") == 1 and not ram.contains("a") and disk.contains("a")
+    assert t.get("a") is not None and t.last_tier == "disk"
+    with pytest.raises(StoreError, match="ram, disk"):
+        t.clear_tier("ssd")
+
+
+class _Minimal(FragmentStore):
+    """A tier that implements only the required methods: the protocol's defaults apply."""
+
+    name = "minimal"
+
+    def __init__(self) -> None:
+        self.items: dict[str, object] = {}
+
+    def get(self, key, now=None):
+        return self.items.get(key)
+
+    def put(self, key, fragment):
+        self.items[key] = fragment
+
+    def contains(self, key):
+        return key in self.items
+
+    def keys(self):
+        return list(self.items)
+
+
+def test_protocol_defaults_for_what_a_tier_cannot_offer(fragment_factory):
+    s = _Minimal()
+    s.put("a", fragment_factory())
+    assert s.children("p0") == [] and s.warm("a") is None and s.last_tier is None
+    assert s.add_remove_listener(print) is None and s.persistent_tier() is s
+    t = TieredStore(MemoryStore(10**8), s)
+    assert t.persistent_tier() is s and t.keys() == ["a"]
+    assert t.warm("a") is not None and t.tiers[0].contains("a")  # warmed into RAM

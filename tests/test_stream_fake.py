@@ -8,10 +8,11 @@ import time
 import numpy as np
 import pytest
 
-from edgekv import CacheConfig, ChunkRejected, EdgeKV, open_store
+from edgekv import CacheConfig, ChunkRejected, EdgeKV, EdgeKVError, open_store
 from edgekv.engines.fake import FakeAdapter
+from edgekv.keys import store_key
 from edgekv.stream.client import KVClient
-from edgekv.stream.codec import (SessionCipher, decode_chunk, encode_chunk, quantize_error)
+from edgekv.stream.codec import SessionCipher, decode_chunk, encode_chunk, quantize_error
 from edgekv.stream.costmodel import CostModel
 from edgekv.stream.hybrid import HybridLoader
 from edgekv.stream.netem import Shaper
@@ -211,6 +212,61 @@ def test_quantized_stream_is_approximate_but_valid(server, tmp_path):
     r = h.generate(PROMPT, max_tokens=2, strategy="stream", store=False)
     assert r.streamed_chunks == 6
     assert not np.array_equal(r.first_logits, cold(PROMPT))  # lossy: measured, not hidden
+
+
+def test_server_serves_a_store_kept_in_layer_groups(tmp_path):
+    cfg = CacheConfig(chunk_size=64, layers_per_fragment=3, cache_dir=tmp_path / "grouped")
+    store = open_store(cfg)
+    engine = EdgeKV(FakeAdapter(), store, cfg)  # 4 layers: groups [0, 3) and [3, 4)
+    srv = KVServer(store, SECRET, fingerprint=engine.fingerprint, model="fake", chunk_size=64,
+                   engine=engine)
+    srv.start_background()
+    try:
+        host, port = srv.address
+        url = f"http://{host}:{port}"
+        keys = KVClient(url, SECRET).precompute(PROMPT)["keys"]
+        assert not store.contains(keys[0]) and store.contains(store_key(keys[0], (0, 3), 4))
+        assert KVClient(url, SECRET).has(keys) == [True] * 6
+        r = device(tmp_path, url).generate(PROMPT, max_tokens=2, strategy="stream")
+    finally:
+        srv.shutdown()
+        store.close()
+    assert r.streamed_chunks == 6 and r.computed_chunks == 0 and r.fallback is None
+    assert np.array_equal(r.first_logits, cold(PROMPT))
+
+
+def test_local_chunks_kept_in_layer_groups_are_used(server, tmp_path):
+    host, port = server.address
+    KVClient(f"http://{host}:{port}", SECRET).precompute(PROMPT)
+    cfg = CacheConfig(chunk_size=64, layers_per_fragment=3, cache_dir=tmp_path / "grouped")
+    kv = EdgeKV(FakeAdapter(), open_store(cfg), cfg)
+    h = HybridLoader(kv, KVClient(f"http://{host}:{port}", SECRET))
+    first = h.generate(PROMPT, max_tokens=2, strategy="stream")
+    again = h.generate(PROMPT, max_tokens=2, strategy="stream")
+    assert first.streamed_chunks == 6 and again.local_chunks == 6
+    assert again.streamed_chunks == again.computed_chunks == 0
+    assert np.array_equal(again.first_logits, cold(PROMPT))
+
+
+def test_every_request_path_shares_one_preamble(tmp_path):
+    cfg = CacheConfig(chunk_size=64, cache_dir=tmp_path)
+    kv = EdgeKV(FakeAdapter(n_ctx=100), open_store(cfg), cfg)
+    assert kv.prepare("ab", 1) == kv.adapter.tokenize("ab") and kv.prepare((3, 4), 1) == [3, 4]
+    srv = KVServer(kv.store, SECRET, fingerprint=kv.fingerprint, model="fake", chunk_size=64,
+                   engine=kv)
+    try:
+        paths = [lambda p: kv.generate(p, max_tokens=10),
+                 lambda p: HybridLoader(kv, None).generate(p, max_tokens=10),
+                 lambda p: srv.precompute({"tokens": p})]
+        for run in paths:
+            with pytest.raises(EdgeKVError, match=r"prompt \(100 tokens\).*context window"):
+                run(list(range(1, 101)))
+        for run in paths[:2]:
+            with pytest.raises(EdgeKVError, match="empty"):
+                run([])
+    finally:
+        srv.httpd.server_close()
+        kv.store.close()
 
 
 class SlowFake(FakeAdapter):

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from edgekv import CacheConfig, ConfigError, EdgeKV, open_store
-from edgekv.engines.base import sample_token
 from edgekv.engines.fake import FakeAdapter
+from edgekv.engines.shared import sample_token
 from edgekv.keys import chunk_keys, tenant_root
 
 CONTEXT = "The hub connects lights, thermostats and sensors. " * 6

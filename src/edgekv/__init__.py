@@ -2,24 +2,42 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .cache import EdgeKV, GenerationResult, PrefixMatch
 from .config import CacheConfig
 from .engines.base import FragmentSpec, KVAdapter
 from .errors import (
-    ChunkRejected, ConfigError, CorruptEntry, EdgeKVError, EngineError, FragmentError,
-    IncompatibleFragment, ModelNotFound, StoreError, StreamTimeout, TransportError,
+    ChunkRejected,
+    ConfigError,
+    CorruptEntry,
+    EdgeKVError,
+    EngineError,
+    FragmentError,
+    IncompatibleFragment,
+    ModelNotFound,
+    StoreError,
+    StreamTimeout,
+    TransportError,
     UnsupportedLayout,
 )
 from .fragment import KVFragment
+from .keys import chain_of
 from .store import FragmentStore, open_store
 
+if TYPE_CHECKING:
+    import numpy as np
+
+    from .semantic import Embedder, SemanticRouter
+
 __all__ = [
-    "CacheConfig", "ChunkRejected", "StreamTimeout", "TransportError", "ConfigError", "CorruptEntry", "EdgeKV", "EdgeKVError", "EngineError",
-    "FragmentError", "FragmentSpec", "FragmentStore", "GenerationResult", "IncompatibleFragment",
-    "KVAdapter", "KVFragment", "ModelNotFound", "PrefixMatch", "StoreError", "UnsupportedLayout",
-    "open_llamacpp", "open_router", "open_store",
+    "CacheConfig", "ChunkRejected", "ConfigError", "CorruptEntry", "EdgeKV", "EdgeKVError",
+    "EngineError", "FragmentError", "FragmentSpec", "FragmentStore", "GenerationResult",
+    "IncompatibleFragment", "KVAdapter", "KVFragment", "ModelNotFound", "PrefixMatch",
+    "StoreError", "StreamTimeout", "TransportError", "UnsupportedLayout", "open_llamacpp",
+    "open_router", "open_store",
 ]
 
 __version__ = "0.1.0"
@@ -29,8 +47,8 @@ def open_llamacpp(model: str | Path | None = None, config: CacheConfig | None = 
                   n_ctx: int = 2048, n_threads: int | None = None, semantic: bool = False,
                   prefetch: bool = False, engine: str = "llamacpp",
                   **llama_kwargs: object) -> EdgeKV:
-    """An EdgeKV over an engine (llama.cpp by default, `engine="torch"` or `"onnx"`) with the default
-    RAM + disk store (model: SmolLM2 by default).
+    """An EdgeKV over an engine (llama.cpp by default, `engine="torch"` or `"onnx"`) with the
+    default RAM + disk store (model: SmolLM2 by default).
 
     `semantic=True` adds MiniLM + HNSW routing (index kept beside the disk store);
     `prefetch=True` adds the n-gram prefetcher that warms predicted contexts into RAM.
@@ -54,18 +72,19 @@ def open_llamacpp(model: str | Path | None = None, config: CacheConfig | None = 
     return kv
 
 
-def open_router(embedder: object, store: FragmentStore, config: CacheConfig) -> object:
+def open_router(embedder: Embedder, store: FragmentStore,
+                config: CacheConfig) -> SemanticRouter:
     """A SemanticRouter whose index lives beside the disk store and is rebuilt from it."""
     from .semantic import SemanticRouter, VectorIndex
 
-    def from_store():  # type: ignore[no-untyped-def]
-        persistent = getattr(store, "tiers", [store])[-1]
+    def from_store() -> Iterator[tuple[str, np.ndarray]]:
+        persistent = store.persistent_tier()  # read without filling the RAM tier
         for key in persistent.keys():
             frag = persistent.get(key)
             if frag is not None and frag.embedding is not None:
-                yield key.split(".", 1)[0], frag.embedding
+                yield chain_of(key), frag.embedding
 
-    index = VectorIndex(embedder.dim, config.cache_dir / "store" / "semantic.usearch",  # type: ignore[attr-defined]
+    index = VectorIndex(embedder.dim, config.cache_dir / "store" / "semantic.usearch",
                         rebuild_from=from_store)
-    return SemanticRouter(embedder, index, exact=config.semantic_exact,  # type: ignore[arg-type]
+    return SemanticRouter(embedder, index, exact=config.semantic_exact,
                           partial=config.semantic_partial, k=config.semantic_k)

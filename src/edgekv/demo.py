@@ -6,10 +6,10 @@ import shutil
 import sys
 from pathlib import Path
 
-from .bench.report import table
-from .bench.texts import MANUAL, QUESTIONS, SYSTEM_PROMPT
 from .chat import render_chat
 from .config import CacheConfig, default_cache_dir
+from .markdown import table
+from .texts import MANUAL, QUESTIONS, SYSTEM_PROMPT
 
 __all__ = ["run_demo"]
 
@@ -23,7 +23,7 @@ def run_demo(*, model: str | None = None, n_ctx: int = 2048, cache_dir: str | No
     shutil.rmtree(demo_dir, ignore_errors=True)
     kv = open_llamacpp(model, CacheConfig(cache_dir=demo_dir), n_ctx=n_ctx)
     try:
-        template = kv.adapter.chat_template()  # type: ignore[attr-defined]
+        template = kv.adapter.chat_template()
         system = SYSTEM_PROMPT + "\n\n" + MANUAL
 
         def prompt(q: str) -> str:
@@ -39,7 +39,8 @@ def run_demo(*, model: str | None = None, n_ctx: int = 2048, cache_dir: str | No
         for q in QUESTIONS[1 : 1 + questions]:
             cold = kv.generate(prompt(q), max_tokens=max_tokens, use_cache=False)
             warm = kv.generate(prompt(q), max_tokens=max_tokens)
-            same = cold.tokens == warm.tokens and bool((cold.first_logits == warm.first_logits).all())
+            same = (cold.tokens == warm.tokens
+                    and bool((cold.first_logits == warm.first_logits).all()))
             same_all &= same
             rows.append([q, f"{cold.ttft_s * 1000:.0f}", f"{warm.ttft_s * 1000:.0f}",
                          f"{cold.ttft_s / warm.ttft_s:.1f}x",
@@ -52,7 +53,7 @@ def run_demo(*, model: str | None = None, n_ctx: int = 2048, cache_dir: str | No
         return 0 if same_all else 1
     finally:
         kv.store.close()
-        kv.adapter.close()  # type: ignore[attr-defined]
+        kv.adapter.close()
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["CPU_W_PER_BUSY_CORE", "DRAM_J_PER_BYTE", "EnergyMeter", "EnergyReading", "joules_to_mah"]
+__all__ = ["CPU_W_PER_BUSY_CORE", "DRAM_J_PER_BYTE", "EnergyMeter", "EnergyReading",
+           "joules_to_mah"]
 
 CPU_W_PER_BUSY_CORE = 3.0
 DRAM_J_PER_BYTE = 60e-12

@@ -167,7 +167,8 @@ class KVFragment:
             raise _fail("layer_stride", self.layer_stride, "1 to slice layers")
         if not self.layer_start <= layer_start < layer_end <= self.layer_end:
             raise _fail(
-                "layer range", (layer_start, layer_end), f"within [{self.layer_start}, {self.layer_end})"
+                "layer range", (layer_start, layer_end),
+                f"within [{self.layer_start}, {self.layer_end})"
             )
         a, b = layer_start - self.layer_start, layer_end - self.layer_start
         return dataclasses.replace(
@@ -178,5 +179,6 @@ class KVFragment:
 
 def next_expiry(hit_count: int, now: float, ttl_s: float, promoted_ttl_s: float,
                 promote_hits: int) -> float:
-    """Seed rule: a fragment hit `promote_hits` times or more lives `promoted_ttl_s`, else `ttl_s`."""
+    """Seed rule: a fragment hit `promote_hits` times or more lives `promoted_ttl_s`, else
+    `ttl_s`."""
     return now + (promoted_ttl_s if hit_count >= promote_hits else ttl_s)

@@ -21,14 +21,21 @@ import numpy as np
 __all__ = [
     "ChunkKey",
     "ModelFingerprint",
+    "StoreKey",
+    "chain_of",
     "chunk_keys",
     "file_sha256",
     "next_key",
+    "store_key",
     "tenant_root",
     "token_bytes",
 ]
 
+# A chunk's chain key: names the whole prefix up to the chunk's end (see `next_key`).
 ChunkKey = NewType("ChunkKey", str)
+# Where a fragment is stored: its chunk's chain key for a fragment of every layer, else the
+# chain key and its layer range (`store_key`); `chain_of` maps it back.
+StoreKey = NewType("StoreKey", str)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +70,7 @@ class ModelFingerprint:
         return self.n_layer * (self.n_embd_k + self.n_embd_v) * (2 if self.kv_dtype == "f16" else 4)
 
 
-def token_bytes(token_ids: Sequence[int]) -> bytes:
+def token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
     """Token ids as little-endian int32, the form hashed and stored everywhere."""
     return np.asarray(token_ids, dtype="<i4").tobytes()
 
@@ -72,7 +79,8 @@ def root_digest(fingerprint: str) -> bytes:
     return hashlib.sha256(b"edgekv-root\0" + fingerprint.encode()).digest()
 
 
-def next_key(parent: str, fingerprint: str, token_ids: Sequence[int]) -> ChunkKey:
+def next_key(parent: str, fingerprint: str,
+             token_ids: Sequence[int] | np.ndarray) -> ChunkKey:
     """Key of the chunk holding `token_ids` after the chunk keyed `parent` ("" = start)."""
     h = hashlib.sha256(bytes.fromhex(parent) if parent else root_digest(fingerprint))
     h.update(fingerprint.encode())
@@ -101,6 +109,18 @@ def chunk_keys(fingerprint: str, token_ids: Sequence[int], chunk_size: int,
         parent = next_key(parent, fingerprint, token_ids[start : start + chunk_size])
         keys.append(parent)
     return keys
+
+
+def store_key(chain_key: str, layers: tuple[int, int], n_layer: int) -> StoreKey:
+    """The store key of the fragment of chunk `chain_key` holding layers [lo, hi): the chain
+    key itself when that is every layer of the model, else `<chain key>.L<lo>-<hi>`."""
+    lo, hi = layers
+    return StoreKey(chain_key if (lo, hi) == (0, n_layer) else f"{chain_key}.L{lo}-{hi}")
+
+
+def chain_of(key: str) -> ChunkKey:
+    """The chain key of the chunk a store key belongs to (the inverse of `store_key`)."""
+    return ChunkKey(key.split(".", 1)[0])
 
 
 def file_sha256(path: Path, memo_dir: Path | None = None) -> str:

@@ -28,7 +28,7 @@ import numpy as np
 
 from .errors import IncompatibleFragment
 from .fragment import KVFragment, common_prefix
-from .keys import next_key
+from .keys import ModelFingerprint, StoreKey, chain_of, next_key, store_key
 from .store.base import FragmentStore
 
 if TYPE_CHECKING:
@@ -40,7 +40,8 @@ __all__ = ["Chunk", "ChunkReader", "PrefixMatch", "PrefixMatcher", "Router"]
 class Router(Protocol):
     """The semantic router as the cache uses it (`semantic.SemanticRouter`)."""
 
-    index: "VectorIndexLike"
+    @property
+    def index(self) -> VectorIndexLike: ...
 
     def route(self, text: str) -> Route: ...
 
@@ -48,7 +49,7 @@ class Router(Protocol):
 class VectorIndexLike(Protocol):
     def add(self, key: str, vector: np.ndarray) -> None: ...
 
-    def remove(self, key: str) -> None: ...
+    def remove(self, key: str) -> bool: ...
 
     def save(self) -> None: ...
 
@@ -97,7 +98,7 @@ class Chunk:
 
     chain_key: str
     fragments: tuple[KVFragment, ...]
-    store_keys: tuple[str, ...]
+    store_keys: tuple[StoreKey, ...]
     tier: str
 
     @property
@@ -121,11 +122,26 @@ class ChunkReader:
         self.store, self.fingerprint, self.n_layer = store, fingerprint, n_layer
         self.layer_groups = list(layer_groups)
 
-    def store_key(self, chain_key: str, lo: int, hi: int) -> str:
-        return chain_key if (lo, hi) == (0, self.n_layer) else f"{chain_key}.L{lo}-{hi}"
+    @classmethod
+    def for_model(cls, store: FragmentStore, fp: ModelFingerprint,
+                  layers_per_fragment: int = 0) -> ChunkReader:
+        """A reader of `fp`'s chunks stored in groups of `layers_per_fragment` layers (0: all
+        layers in one fragment, see `CacheConfig.layers_per_fragment`)."""
+        step = layers_per_fragment or fp.n_layer
+        groups = [(lo, min(fp.n_layer, lo + step)) for lo in range(0, fp.n_layer, step)]
+        return cls(store, fp.digest, fp.n_layer, groups)
 
-    def store_keys(self, chain_key: str) -> list[str]:
+    def store_key(self, chain_key: str, lo: int, hi: int) -> StoreKey:
+        return store_key(chain_key, (lo, hi), self.n_layer)
+
+    def store_keys(self, chain_key: str) -> list[StoreKey]:
         return [self.store_key(chain_key, lo, hi) for lo, hi in self.layer_groups]
+
+    def contains(self, chain_key: str) -> bool:
+        """Whether every layer of the chunk is stored (whole, or in the configured groups);
+        read without verifying (`read` verifies)."""
+        return self.store.contains(chain_key) or all(
+            self.store.contains(k) for k in self.store_keys(chain_key))
 
     def read(self, chain_key: str, now: float, rejections: list[str]) -> Chunk | None:
         """The chunk stored under `chain_key`: the whole-layer fragment if present (e.g. after
@@ -134,7 +150,9 @@ class ChunkReader:
         if self.layer_groups != [(0, self.n_layer)]:
             layouts.append(self.layer_groups)
         for groups in layouts:
-            frags, keys, tier = [], [], "store"
+            frags: list[KVFragment] = []
+            keys: list[StoreKey] = []
+            tier = "store"
             for lo, hi in groups:
                 key = self.store_key(chain_key, lo, hi)
                 frag = self.store.get(key, now)
@@ -148,7 +166,7 @@ class ChunkReader:
                     return None
                 frags.append(frag)
                 keys.append(key)
-                tier = getattr(self.store, "last_tier", None) or tier
+                tier = self.store.last_tier or tier
             else:
                 return Chunk(chain_key, tuple(frags), tuple(keys), tier)
         return None
@@ -173,7 +191,8 @@ class ChunkReader:
             raise IncompatibleFragment("its chain key does not match the key it is stored under")
         if next_key(frag.parent_key, self.fingerprint, frag.token_ids) != chain_key:
             raise IncompatibleFragment("its token ids and parent do not hash to its chain key")
-        if (frag.layer_start, frag.layer_end, frag.layer_stride) != (lo, hi, 1) or not frag.all_heads:
+        layers = (frag.layer_start, frag.layer_end, frag.layer_stride)
+        if layers != (lo, hi, 1) or not frag.all_heads:
             raise IncompatibleFragment(
                 f"holds layers [{frag.layer_start}, {frag.layer_end}) stride {frag.layer_stride}, "
                 f"needed [{lo}, {hi}) stride 1 with all heads")
@@ -222,9 +241,10 @@ class PrefixMatcher:
 
     def match_prefix(self, tokens: Sequence[int], keys: Sequence[str], root: str, *,
                      text: str | None = None, approximate: bool = False,
-                     now: float | None = None) -> PrefixMatch:
+                     now: float | None = None, whole_chunks: bool = False) -> PrefixMatch:
         """What to restore for `tokens` (whose chunk keys under the tenant `root` are `keys`):
         at most len(tokens) - 1 positions, so the first output token is always computed.
+        `whole_chunks`: the exact chain walk only (what a fill step continues from).
 
         Any KV valid for this request hangs off its own chain, so semantic search cannot find
         more than the chain walk and the radix step; it is needed before the first token only
@@ -236,6 +256,8 @@ class PrefixMatcher:
         chunks = self.reader.walk(keys[: limit // c], now, rejections)
         n = len(chunks) * c
         best = PrefixMatch(n, tuple(chunks), n, token_exact=self.token_exact)
+        if whole_chunks:
+            return replace(best, rejections=tuple(rejections))
         if self.partial_reuse or approximate or self.token_exact:
             ext = self._successors(ids, chunks, limit, now, rejections, root)
             if ext is not None:
@@ -263,19 +285,16 @@ class PrefixMatcher:
         reuse may end at any token, any gain is taken (a token costs more to compute than to
         read); elsewhere at least `min_reuse_tokens`.
         """
-        children = getattr(self.reader.store, "children", None)
-        if children is None:
-            return None
         c, start = self.chunk_size, len(exact) * self.chunk_size
         best: tuple[int, int, str] | None = None  # (end, k0, chain key)
         for k0 in range(max(0, len(exact) - 1), len(exact) + 1):
             parent = exact[k0 - 1].chain_key if k0 else root
-            for skey, tok in children(parent):
+            for skey, tok in self.reader.store.children(parent):
                 same = common_prefix(tok, ids[k0 * c : limit])
                 end = k0 * c + same
                 gain = end - max(start, best[0] if best else 0)
                 if gain > 0 and (gain >= self.min_reuse_tokens or self.token_exact):
-                    best = (end, k0, skey.split(".", 1)[0])
+                    best = (end, k0, chain_of(skey))
         if best is None:
             return None
         end, k0, key = best

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from .base import FragmentSpec, Generation, KVAdapter, aligned_batches, check_injectable
+from .base import FragmentSpec, Generation, KVAdapter
 from .fake import FakeAdapter
+from .shared import aligned_batches, check_injectable
 
 __all__ = ["ENGINES", "FakeAdapter", "FragmentSpec", "Generation", "KVAdapter", "aligned_batches",
            "check_injectable", "open_adapter"]

@@ -15,8 +15,16 @@ import numpy as np
 
 from ..fragment import KVFragment
 from ..keys import ModelFingerprint
-from .base import (EngineCounters, FragmentSpec, SequenceAdapter, aligned_batches, build_fragments,
-                   check_prefill, injection_length, stack_prefix)
+from .base import EngineCounters, FragmentSpec
+from .shared import (
+    SequenceAdapter,
+    aligned_batches,
+    append_length,
+    build_fragments,
+    check_prefill,
+    injection_length,
+    stack_prefix,
+)
 
 __all__ = ["FakeAdapter"]
 
@@ -49,6 +57,9 @@ class FakeAdapter(SequenceAdapter):
 
     def build_info(self) -> str:
         return f"fake/1 batch_variant={self.batch_variant}"
+
+    def chat_template(self) -> str | None:
+        return None  # the fake model has no chat format
 
     def tokenize(self, text: str, *, add_bos: bool = True) -> list[int]:
         ids = [1 + (b % (self.vocab - 1)) for b in text.encode("utf-8")]
@@ -94,15 +105,25 @@ class FakeAdapter(SequenceAdapter):
         n = injection_length(fragments, self.fingerprint, limit)
         k, v, ids = stack_prefix(fragments, self.fingerprint, n, np.float16)
         self.clear_kv_cache()
-        self._ids = ids
-        # the prefix hash chain is recomputed from the token ids (cheap, no KV involved)
-        parent = b"root"
-        for t in ids:
-            parent = hashlib.sha256(parent + int(t).to_bytes(4, "little")).digest()
-            self._hash.append(parent)
-        self._k = [k[:, i] for i in range(n)]
-        self._v = [v[:, i] for i in range(n)]
+        self._extend(k, v, ids)
         return n
+
+    def append_fragments(self, fragments: Sequence[KVFragment]) -> int:
+        held = self.n_tokens
+        end = append_length(fragments, self.fingerprint, held, self._n_ctx)
+        self._extend(*stack_prefix(fragments, self.fingerprint, end, np.float16, start=held))
+        return end
+
+    def _extend(self, k: np.ndarray, v: np.ndarray, ids: list[int]) -> None:
+        """Hold KV [layer, token, width] for `ids` after what is held. The prefix hash chain
+        is continued from the token ids (cheap, no KV involved)."""
+        parent = self._hash[-1] if self._hash else b"root"
+        for i, t in enumerate(ids):
+            parent = hashlib.sha256(parent + int(t).to_bytes(4, "little")).digest()
+            self._ids.append(int(t))
+            self._hash.append(parent)
+            self._k.append(k[:, i])
+            self._v.append(v[:, i])
 
     def close(self) -> None:
         self.clear_kv_cache()

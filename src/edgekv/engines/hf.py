@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .base import SequenceAdapter
+from .shared import SequenceAdapter
 
 __all__ = ["HFTokenizerAdapter"]
 

@@ -1,8 +1,16 @@
-"""llama.cpp adapter (llama-cpp-python), through the public sequence-state API only.
+"""llama.cpp adapter (llama-cpp-python), through public API only: `Llama` and its `ctx`.
 
 KV leaves and enters llama.cpp as a `llama_state_seq_*` blob; `llamacpp_state` slices it into
 token x layer fragments and assembles fragments back into a blob llama.cpp restores with its
 cell bookkeeping (positions, sequence ids) intact. Nothing is written behind llama.cpp's back.
+
+What is used, and why: the high-level `Llama` loads the model, tokenizes and evaluates
+(`eval`), and its public `input_ids` / `n_tokens` are kept in step with the engine after an
+injection. KV and logits go through llama-cpp-python's low-level C bindings on `Llama.ctx`
+(`llama_state_seq_get/set_data`, `llama_memory_clear`, `llama_get_logits`): `Llama` keeps no
+logits unless it was built with `logits_all=True` (which costs a full vocabulary row per
+prompt token), and `Llama.eval` does not return them, so the last token's logits are read
+from the context right after `eval`.
 """
 
 from __future__ import annotations
@@ -19,10 +27,17 @@ import numpy as np
 from ..errors import EngineError, IncompatibleFragment, UnsupportedLayout
 from ..fragment import KVFragment
 from ..keys import ModelFingerprint, file_sha256
-from .base import (EngineCounters, FragmentSpec, Generation, TokenCallback, aligned_batches,
-                   build_fragments, check_prefill, injection_length, sample_loop)
+from .base import EngineCounters, FragmentSpec, Generation, TokenCallback
 from .llamacpp_state import SeqState, SeqStateWriter, parse_seq_state
 from .models import resolve_model
+from .shared import (
+    aligned_batches,
+    append_length,
+    build_fragments,
+    check_prefill,
+    injection_length,
+    sample_loop,
+)
 
 __all__ = ["LlamaCppAdapter"]
 
@@ -57,7 +72,7 @@ class LlamaCppAdapter:
                 logits_all=False, **llama_kwargs)
         except (ValueError, RuntimeError) as e:
             raise EngineError(f"llama.cpp could not load {self.model_path}: {e}") from e
-        self._ctx = self._llm._ctx.ctx
+        self._ctx = self._llm.ctx  # the llama_context the C bindings take
         self._n_vocab = self._llm.n_vocab()
         self.fingerprint = self._make_fingerprint(memo_dir)
         self._v_trans: bool | None = None  # learnt from the first state llama.cpp writes
@@ -146,7 +161,8 @@ class LlamaCppAdapter:
         for lo, hi in aligned_batches(base, len(toks), align):
             self._llm.eval(toks[lo - base : hi - base])
             self.counters.add_batch(lo, hi)
-        logits = np.ctypeslib.as_array(self._llm._ctx.get_logits(), shape=(self._n_vocab,))
+        logits = np.ctypeslib.as_array(self._lib.llama_get_logits(self._ctx),
+                                        shape=(self._n_vocab,))
         return np.array(logits, dtype=np.float32, copy=True)
 
     def generate(self, logits: np.ndarray, max_tokens: int, *, temperature: float = 0.0,
@@ -166,10 +182,12 @@ class LlamaCppAdapter:
             raise EngineError(f"llama_state_seq_get_data wrote {written} of {size} bytes")
         return buf
 
-    def read_state(self) -> SeqState:
-        """The engine's sequence as canonical keys/values (views into one copied blob)."""
+    def read_state(self, buf: ctypes.Array[ctypes.c_uint8] | None = None) -> SeqState:
+        """The engine's sequence as canonical keys/values (views into one copied blob: `buf`
+        if given, as `_state_buffer` returned it)."""
         fp = self.fingerprint
-        state = parse_seq_state(memoryview(self._state_buffer()), n_layer=fp.n_layer,
+        buf = self._state_buffer() if buf is None else buf
+        state = parse_seq_state(memoryview(buf), n_layer=fp.n_layer,
                                 n_embd_k=fp.n_embd_k, n_embd_v=fp.n_embd_v)
         if state.n_tokens != self.n_tokens:
             raise UnsupportedLayout(f"engine state holds {state.n_tokens} cells for "
@@ -192,12 +210,44 @@ class LlamaCppAdapter:
         n = injection_length(fragments, self.fingerprint, limit)
         if n > self.n_ctx:
             raise IncompatibleFragment(f"prefix of {n} tokens exceeds the context ({self.n_ctx})")
-        fp = self.fingerprint
         v_trans = self._v_trans if self._v_trans is not None else self._probe_v_trans()
+        return self._restore(n, fragments, v_trans)
+
+    def append_fragments(self, fragments: Sequence[KVFragment]) -> int:
+        """llama.cpp restores a sequence whole (`llama_state_seq_set_data`), so the held cells
+        are copied from the engine's own state blob into the new one, beside the fragments;
+        if llama.cpp refuses the new blob, the old one is restored."""
+        held = self.n_tokens
+        end = append_length(fragments, self.fingerprint, held, self.n_ctx)
+        if not held:
+            return self.inject_fragments(fragments)
+        old = self._state_buffer()
+        state, ids = self.read_state(old), self.token_ids
+        try:
+            return self._restore(end, fragments, state.v_trans, held=(state, ids))
+        except EngineError:
+            read = self._lib.llama_state_seq_set_data(self._ctx, old, len(old), 0)
+            if read == len(old):
+                self._llm.input_ids[:held] = ids
+                self._llm.n_tokens = held
+            raise
+
+    def _restore(self, n: int, fragments: Sequence[KVFragment], v_trans: bool,
+                 held: tuple[SeqState, list[int]] | None = None) -> int:
+        """Replace the sequence with cells 0..n-1: the `held` state's cells first (if given),
+        then the fragments' tokens, written straight into the blob llama.cpp reads."""
+        fp = self.fingerprint
         writer = SeqStateWriter(fp.n_layer, n, fp.n_embd_k, fp.n_embd_v,
                                 np.dtype(np.float16 if fp.kv_dtype == "f16" else np.float32),
                                 v_trans=v_trans)
         ids = np.empty(n, np.int32)
+        if held is not None:
+            state, held_ids = held
+            m = state.n_tokens
+            ids[:m] = held_ids
+            for layer in range(fp.n_layer):
+                writer.k(layer)[:m] = state.keys[layer]
+                writer.v(layer)[:m] = state.values[layer]
         for f in fragments:
             if f.token_start >= n:
                 continue

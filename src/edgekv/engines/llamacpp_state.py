@@ -28,7 +28,8 @@ from ..errors import UnsupportedLayout
 __all__ = ["SEQ_MAGIC", "SeqState", "SeqStateWriter", "assemble_seq_state", "parse_seq_state"]
 
 SEQ_MAGIC = 0xAF143CD8
-GGML_TYPES = {0: np.dtype("<f4"), 1: np.dtype("<f2")}  # GGML_TYPE_F32, GGML_TYPE_F16
+# GGML_TYPE_F32, GGML_TYPE_F16
+GGML_TYPES: dict[int, np.dtype] = {0: np.dtype("<f4"), 1: np.dtype("<f2")}
 _TYPE_IDS = {np.dtype("<f4"): 0, np.dtype("<f2"): 1}
 
 
@@ -105,7 +106,8 @@ def parse_seq_state(blob: bytes | bytearray | memoryview, *, n_layer: int, n_emb
     for il in range(n_layer):
         dt = _dtype(r.take("<i"), f"K of layer {il}")
         if (row := r.take("<Q")) != n_embd_k * dt.itemsize:
-            raise UnsupportedLayout(f"K row of layer {il} is {row} B, expected {n_embd_k}x{dt.itemsize}")
+            raise UnsupportedLayout(
+                f"K row of layer {il} is {row} B, expected {n_embd_k}x{dt.itemsize}")
         keys.append(r.array(dt, n * n_embd_k).reshape(n, n_embd_k))
     values = []
     for il in range(n_layer):

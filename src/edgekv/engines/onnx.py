@@ -22,11 +22,18 @@ import numpy as np
 from ..errors import EngineError, IncompatibleFragment
 from ..fragment import KVFragment
 from ..keys import ModelFingerprint, file_sha256
-from .base import (EngineCounters, FragmentSpec, aligned_batches, build_fragments, check_prefill,
-                   injection_length, stack_prefix)
+from .base import EngineCounters, FragmentSpec
 from .hf import HFTokenizerAdapter
 from .layout import from_head_major, to_head_major
 from .models import resolve_model
+from .shared import (
+    aligned_batches,
+    append_length,
+    build_fragments,
+    check_prefill,
+    injection_length,
+    stack_prefix,
+)
 
 __all__ = ["OnnxAdapter", "export_onnx"]
 
@@ -80,7 +87,8 @@ def export_onnx(model_path: Path, out: Path) -> dict[str, Any]:
     os.replace(tmp, out)
     rope = getattr(cfg, "rope_parameters", None) or {}
     return {"model_type": cfg.model_type, "n_layer": n_layer, "n_head_kv": n_kv,
-            "head_dim": head_dim, "rope_theta": rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))}
+            "head_dim": head_dim,
+            "rope_theta": rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))}
 
 
 class OnnxAdapter(HFTokenizerAdapter):
@@ -114,7 +122,8 @@ class OnnxAdapter(HFTokenizerAdapter):
         self.fingerprint = ModelFingerprint(
             file_sha256=sha, architecture=meta["model_type"], n_layer=int(meta["n_layer"]),
             n_head_kv=int(meta["n_head_kv"]), head_dim_k=d, head_dim_v=d, kv_dtype="f32",
-            engine=f"onnxruntime/{ort.__version__}", rope=f"base={float(meta['rope_theta']):g},dims={d}")
+            engine=f"onnxruntime/{ort.__version__}",
+            rope=f"base={float(meta['rope_theta']):g},dims={d}")
         self._n_ctx = n_ctx
         self.counters = EngineCounters()
         self.weight_bytes = onnx_path.stat().st_size
@@ -157,12 +166,29 @@ class OnnxAdapter(HFTokenizerAdapter):
         n = injection_length(fragments, self.fingerprint, limit)
         if n > self._n_ctx:
             raise IncompatibleFragment(f"prefix of {n} tokens exceeds the context ({self._n_ctx})")
-        fp = self.fingerprint
-        keys, values, ids = stack_prefix(fragments, fp, n)
-        k = np.stack([to_head_major(keys[li], fp.n_head_kv, is_key=True) for li in range(fp.n_layer)])
-        v = np.stack([to_head_major(values[li], fp.n_head_kv, is_key=False) for li in range(fp.n_layer)])
-        self._k, self._v, self._ids = k[:, None], v[:, None], ids
+        k, v, ids = self._head_major(fragments, n)
+        self._k, self._v, self._ids = k, v, ids
         return n
+
+    def append_fragments(self, fragments: Sequence[KVFragment]) -> int:
+        held = self.n_tokens
+        end = append_length(fragments, self.fingerprint, held, self._n_ctx)
+        k, v, ids = self._head_major(fragments, end, held)
+        self._k = np.concatenate([self._k, k], axis=3)
+        self._v = np.concatenate([self._v, v], axis=3)
+        self._ids.extend(ids)
+        return end
+
+    def _head_major(self, fragments: Sequence[KVFragment], n: int,
+                    start: int = 0) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """Positions [start, n) of the fragments as the graph's past_keys/past_values
+        [layers, 1, heads, tokens, dim], and their token ids."""
+        fp = self.fingerprint
+        keys, values, ids = stack_prefix(fragments, fp, n, start=start)
+        layers = range(fp.n_layer)
+        k = np.stack([to_head_major(keys[li], fp.n_head_kv, is_key=True) for li in layers])
+        v = np.stack([to_head_major(values[li], fp.n_head_kv, is_key=False) for li in layers])
+        return k[:, None], v[:, None], ids
 
     def close(self) -> None:
         self.clear_kv_cache()

@@ -19,11 +19,18 @@ import numpy as np
 from ..errors import EngineError, IncompatibleFragment
 from ..fragment import KVFragment
 from ..keys import ModelFingerprint, file_sha256
-from .base import (EngineCounters, FragmentSpec, aligned_batches, build_fragments, check_prefill,
-                   injection_length, stack_prefix)
+from .base import EngineCounters, FragmentSpec
 from .hf import HFTokenizerAdapter
 from .layout import from_head_major, to_head_major
 from .models import resolve_model
+from .shared import (
+    aligned_batches,
+    append_length,
+    build_fragments,
+    check_prefill,
+    injection_length,
+    stack_prefix,
+)
 
 __all__ = ["TorchAdapter"]
 
@@ -59,7 +66,8 @@ class TorchAdapter(HFTokenizerAdapter):
             file_sha256=file_sha256(self.model_path, memo_dir), architecture=cfg.model_type,
             n_layer=cfg.num_hidden_layers, n_head_kv=cfg.num_key_value_heads,
             head_dim_k=head_dim, head_dim_v=head_dim, kv_dtype="f32",
-            engine=f"torch/{torch.__version__.split('+')[0]}", rope=f"base={float(base):g},dims={head_dim}")
+            engine=f"torch/{torch.__version__.split('+')[0]}",
+            rope=f"base={float(base):g},dims={head_dim}")
         self.counters = EngineCounters()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self._model.parameters())
         self._ids: list[int] = []
@@ -108,21 +116,35 @@ class TorchAdapter(HFTokenizerAdapter):
         return build_fragments(specs, self.fingerprint, self._ids, layer_kv, np.float32)
 
     def inject_fragments(self, fragments: Sequence[KVFragment], limit: int | None = None) -> int:
-        torch = self._torch
         from transformers import DynamicCache
 
         n = injection_length(fragments, self.fingerprint, limit)
         if n > self._n_ctx:
             raise IncompatibleFragment(f"prefix of {n} tokens exceeds the context ({self._n_ctx})")
-        fp = self.fingerprint
-        keys, values, ids = stack_prefix(fragments, fp, n)
-        cache = DynamicCache()
+        self._cache, self._ids = DynamicCache(), []
+        self._update(fragments, n)
+        return n
+
+    def append_fragments(self, fragments: Sequence[KVFragment]) -> int:
+        from transformers import DynamicCache
+
+        held = self.n_tokens
+        end = append_length(fragments, self.fingerprint, held, self._n_ctx)
+        if self._cache is None:
+            self._cache = DynamicCache()
+        self._update(fragments, end, held)
+        return end
+
+    def _update(self, fragments: Sequence[KVFragment], n: int, start: int = 0) -> None:
+        """Add positions [start, n) of the fragments to the cache (`DynamicCache.update`
+        concatenates them after what each layer holds) and their token ids."""
+        torch, fp = self._torch, self.fingerprint
+        keys, values, ids = stack_prefix(fragments, fp, n, start=start)
         for li in range(fp.n_layer):
             k = torch.from_numpy(to_head_major(keys[li], fp.n_head_kv, is_key=True))[None]
             v = torch.from_numpy(to_head_major(values[li], fp.n_head_kv, is_key=False))[None]
-            cache.update(k, v, li)
-        self._cache, self._ids = cache, ids
-        return n
+            self._cache.update(k, v, li)
+        self._ids.extend(ids)
 
     def close(self) -> None:
         self.clear_kv_cache()

@@ -22,7 +22,7 @@ import re
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import numpy as np
 
@@ -105,8 +105,9 @@ class MiniLMEmbedder:
         self._tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         self._tok.no_truncation()
         self._tok.no_padding()
-        self._cls = self._tok.token_to_id("[CLS]")
-        self._sep = self._tok.token_to_id("[SEP]")
+        # MiniLM's vocabulary has both (a tokenizer without them fails on the first embed)
+        self._cls = cast(int, self._tok.token_to_id("[CLS]"))
+        self._sep = cast(int, self._tok.token_to_id("[SEP]"))
         so = ort.SessionOptions()
         so.intra_op_num_threads = threads or min(4, os.cpu_count() or 1)
         so.log_severity_level = 3

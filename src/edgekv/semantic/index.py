@@ -15,6 +15,7 @@ import os
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -35,11 +36,13 @@ def _label(key: str) -> int:
 class VectorIndex:
     def __init__(self, dim: int, path: Path | None = None, *, connectivity: int = 16,
                  expansion_search: int = 50,
-                 rebuild_from: Callable[[], Iterable[tuple[str, np.ndarray]]] | None = None) -> None:
+                 rebuild_from: Callable[[], Iterable[tuple[str, np.ndarray]]] | None = None,
+                 ) -> None:
         self.dim = dim
         self.path = Path(path) if path else None
-        self._params = dict(ndim=dim, metric="cos", dtype="f32", connectivity=connectivity,
-                            expansion_search=expansion_search)
+        self._params: dict[str, Any] = dict(ndim=dim, metric="cos", dtype="f32",
+                                            connectivity=connectivity,
+                                            expansion_search=expansion_search)
         self._lock = threading.Lock()
         self._keys: dict[int, str] = {}
         self._index = self._new()
@@ -47,7 +50,7 @@ class VectorIndex:
         if self.path is not None and not self._load() and rebuild_from is not None:
             self.rebuild(rebuild_from())
 
-    def _new(self):  # type: ignore[no-untyped-def]
+    def _new(self) -> Any:
         from usearch.index import Index
 
         return Index(**self._params)

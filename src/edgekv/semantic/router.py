@@ -40,9 +40,11 @@ class SemanticRouter:
     def __init__(self, embedder: Embedder, index: VectorIndex, *, exact: float = 0.92,
                  partial: float = 0.75, k: int = 4) -> None:
         if not 0.0 <= partial <= exact <= 1.0:
-            raise ValueError(f"thresholds must satisfy 0 <= partial ({partial}) <= exact ({exact}) <= 1")
+            raise ValueError(
+                f"thresholds must satisfy 0 <= partial ({partial}) <= exact ({exact}) <= 1")
         if embedder.dim != index.dim:
-            raise ValueError(f"embedder gives {embedder.dim}-d vectors, the index holds {index.dim}-d")
+            raise ValueError(
+                f"embedder gives {embedder.dim}-d vectors, the index holds {index.dim}-d")
         self.embedder, self.index = embedder, index
         self.exact, self.partial, self.k = exact, partial, k
 

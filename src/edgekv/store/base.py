@@ -8,6 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+import numpy as np
+
 from ..errors import CorruptEntry, StoreError
 from ..fragment import KVFragment
 from ..serial import decode_fragment
@@ -42,9 +44,17 @@ class StoreStats:
 
 @runtime_checkable
 class FragmentStore(Protocol):
-    """A tier of fragments keyed by strings. Reads that fail verification are misses."""
+    """A tier of fragments keyed by strings (`keys.StoreKey`). Reads that fail verification
+    are misses.
+
+    The methods with a body are defaults for what a single tier has nothing to offer; a tier
+    subclasses this protocol to inherit them (`MemoryStore`, `DiskStore`, `RedisStore`), and
+    `TieredStore` overrides them across its tiers.
+    """
 
     name: str  # the tier's name in reports ("ram", "disk", "redis")
+    # which tier served the last hit (`TieredStore`); None: not tracked, reports say "store"
+    last_tier: str | None = None
 
     def get(self, key: str, now: float | None = None) -> KVFragment | None: ...
 
@@ -58,6 +68,10 @@ class FragmentStore(Protocol):
 
     def delete(self, key: str) -> bool: ...
 
+    def keys(self) -> list[str]:
+        """Every key held (compaction and index rebuilds scan it)."""
+        ...
+
     def sweep(self, now: float | None = None) -> int:
         """Drop expired entries; return how many."""
         ...
@@ -67,6 +81,28 @@ class FragmentStore(Protocol):
     def stats(self) -> StoreStats: ...
 
     def close(self) -> None: ...
+
+    # -- with defaults -------------------------------------------------------------------
+
+    def children(self, parent: str) -> list[tuple[str, np.ndarray]]:
+        """The entries whose fragment follows the chunk keyed `parent` (store key, token
+        ids), from the tier's parent index: the radix step's candidates. Default: none."""
+        return []
+
+    def warm(self, key: str) -> KVFragment | None:
+        """Copy `key` into the faster tiers if it is only lower down (prefetch); the fragment,
+        or None. Default: a single tier has no faster tier, so nothing is warmed."""
+        return None
+
+    def add_remove_listener(self, fn: Callable[[str], None]) -> None:
+        """Call `fn(key)` after an entry leaves the store (eviction, expiry, delete, clear).
+        Default: the tier never tells."""
+        return None
+
+    def persistent_tier(self) -> FragmentStore:
+        """The tier that outlives the process (the last of a tiered store), to scan without
+        promoting what is read into faster tiers. Default: the store itself."""
+        return self
 
 
 def decode_or_miss(blob: bytes, key: str, stats: StoreStats,

@@ -22,7 +22,7 @@ import numpy as np
 from ..errors import CorruptEntry, StoreError
 from ..fragment import KVFragment
 from ..serial import decode_fragment, encode_fragment
-from .base import StoreStats, check_key, decode_or_miss, live_or_miss
+from .base import FragmentStore, StoreStats, check_key, decode_or_miss, live_or_miss
 
 __all__ = ["DiskStore"]
 
@@ -37,7 +37,7 @@ CREATE INDEX IF NOT EXISTS entries_v2_parent ON entries_v2(parent);
 """
 
 
-class DiskStore:
+class DiskStore(FragmentStore):
     name = "disk"
     def __init__(self, root: Path, capacity_bytes: int) -> None:
         self.root = Path(root)
@@ -173,7 +173,8 @@ class DiskStore:
 
     def stats(self) -> StoreStats:
         with self._lock:
-            n, size = self._db.execute("SELECT COUNT(*), COALESCE(SUM(nbytes),0) FROM entries_v2").fetchone()
+            n, size = self._db.execute(
+                "SELECT COUNT(*), COALESCE(SUM(nbytes),0) FROM entries_v2").fetchone()
         return dataclasses.replace(self._stats, entries=int(n), bytes=int(size))
 
     def close(self) -> None:
@@ -198,7 +199,8 @@ class DiskStore:
                 self._rebuild(db)  # files without an index (index deleted or older schema)
             return db
         except sqlite3.DatabaseError as e:
-            log.warning("disk store: index %s is damaged (%s); rebuilding it from the files", path, e)
+            log.warning("disk store: index %s is damaged (%s); rebuilding it from the files",
+                        path, e)
             for suffix in ("", "-wal", "-shm"):
                 Path(f"{path}{suffix}").unlink(missing_ok=True)
             db = sqlite3.connect(path, timeout=30, check_same_thread=False)
@@ -239,8 +241,9 @@ class DiskStore:
                 return
             # expired first, then least recently used
             rows = self._db.execute(
-                "SELECT key, nbytes FROM entries_v2 ORDER BY (expires_at > 0 AND expires_at <= ?) DESC,"
-                " last_access ASC", (time.time(),)
+                "SELECT key, nbytes FROM entries_v2"
+                " ORDER BY (expires_at > 0 AND expires_at <= ?) DESC, last_access ASC",
+                (time.time(),)
             ).fetchall()
         for key, nbytes in rows:
             if total <= self.capacity_bytes:

@@ -12,15 +12,16 @@ from collections.abc import Callable
 import numpy as np
 
 from ..fragment import KVFragment
-from .base import StoreStats, check_key
+from .base import FragmentStore, StoreStats, check_key
 
 __all__ = ["MemoryStore"]
 
 log = logging.getLogger(__name__)
 
 
-class MemoryStore:
+class MemoryStore(FragmentStore):
     name = "ram"
+
     def __init__(self, capacity_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes
         self._items: OrderedDict[str, KVFragment] = OrderedDict()

@@ -20,14 +20,14 @@ import numpy as np
 from ..errors import StoreError
 from ..fragment import KVFragment
 from ..serial import encode_fragment
-from .base import StoreStats, check_key, decode_or_miss, live_or_miss
+from .base import FragmentStore, StoreStats, check_key, decode_or_miss, live_or_miss
 
 __all__ = ["RedisStore"]
 
 log = logging.getLogger(__name__)
 
 
-class RedisStore:
+class RedisStore(FragmentStore):
     name = "redis"
     def __init__(self, url: str, *, prefix: str = "edgekv", timeout_s: float = 2.0) -> None:
         try:
@@ -66,7 +66,8 @@ class RedisStore:
             try:
                 frag = frag.with_lifecycle(int(meta[b"hit_count"]), float(meta[b"expires_at"]))
             except (KeyError, ValueError) as e:
-                log.warning("redis store: lifecycle of %s is damaged (%s); using the entry's", key, e)
+                log.warning("redis store: lifecycle of %s is damaged (%s); using the entry's",
+                            key, e)
         return live_or_miss(frag, key, now, self._stats, self.delete)
 
     def put(self, key: str, fragment: KVFragment) -> None:

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
+
+from ..errors import StoreError
 from ..fragment import KVFragment
 from .base import FragmentStore, StoreStats
 
 __all__ = ["TieredStore"]
 
 
-class TieredStore:
+class TieredStore(FragmentStore):
+    name = "tiered"
+
     def __init__(self, *tiers: FragmentStore) -> None:
         if not tiers:
             raise ValueError("TieredStore needs at least one tier")
@@ -23,7 +28,7 @@ class TieredStore:
             if frag is not None:
                 for upper in self.tiers[:i]:
                     upper.put(key, frag)
-                self.last_tier = getattr(tier, "name", type(tier).__name__)
+                self.last_tier = tier.name
                 return frag
         self.last_tier = None
         return None
@@ -32,22 +37,21 @@ class TieredStore:
         """Listen to every tier: the listener asks `contains`, which checks them all, so an
         entry counts as gone only once no tier holds it."""
         for tier in self.tiers:
-            add = getattr(tier, "add_remove_listener", None)
-            if add is not None:
-                add(fn)
+            tier.add_remove_listener(fn)
 
-    def children(self, parent: str) -> list[tuple[str, object]]:
+    def children(self, parent: str) -> list[tuple[str, np.ndarray]]:
         """Union over tiers of the entries that follow `parent` (key, token ids)."""
-        seen: dict[str, object] = {}
+        seen: dict[str, np.ndarray] = {}
         for tier in self.tiers:
-            fn = getattr(tier, "children", None)
-            if fn is not None:
-                for key, ids in fn(parent):
-                    seen.setdefault(key, ids)
+            for key, ids in tier.children(parent):
+                seen.setdefault(key, ids)
         return list(seen.items())
 
     def keys(self) -> list[str]:
-        return list(getattr(self.tiers[-1], "keys", lambda: [])())
+        return list(self.tiers[-1].keys())
+
+    def persistent_tier(self) -> FragmentStore:
+        return self.tiers[-1].persistent_tier()
 
     def warm(self, key: str) -> KVFragment | None:
         """Copy `key` into the upper tiers if it is only lower down (prefetch); no stats."""
@@ -85,6 +89,15 @@ class TieredStore:
     def stats(self) -> StoreStats:
         """Stats of the last (largest, persistent) tier; see `tier_stats` for each."""
         return self.tiers[-1].stats()
+
+    def clear_tier(self, name: str) -> int:
+        """Empty the tier called `name` (e.g. "ram": the next reads come from disk, as in a
+        fresh process); return how many entries it held."""
+        for t in self.tiers:
+            if t.name == name:
+                return t.clear()
+        raise StoreError(f"no tier named {name!r}; this store has "
+                         f"{', '.join(t.name for t in self.tiers)}")
 
     def tier_stats(self) -> list[StoreStats]:
         return [t.stats() for t in self.tiers]

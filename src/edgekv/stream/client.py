@@ -10,21 +10,23 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import queue
 import secrets
-import socket
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from ..config import config_default
 from ..errors import ChunkRejected, StreamTimeout, TransportError
 from ..fragment import KVFragment
 from .codec import SessionCipher, decode_chunk, derive_session_key
 from .netem import Shaper
 from .protocol import FRAME, MISSING, OK, aad
 
-__all__ = ["KVClient", "Received"]
+__all__ = ["BackgroundStream", "KVClient", "Received"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +41,8 @@ class Received:
 class KVClient:
     url: str
     secret: bytes
-    timeout_s: float = 5.0  # connect and per-read (stall) timeout
+    # connect and per-read (stall) timeout; default: CacheConfig.stream_timeout_s
+    timeout_s: float = config_default("stream_timeout_s")
     shaper: Shaper | None = None
     _session: str | None = field(default=None, repr=False)
     _cipher: SessionCipher | None = field(default=None, repr=False)
@@ -66,8 +69,9 @@ class KVClient:
             conn.request(method, path, body=data,
                          headers={"Content-Type": "application/json"} if data else {})
             yield conn.getresponse()
-        except socket.timeout as e:
-            raise StreamTimeout(f"KV server {self.url} {path}: no progress in {self.timeout_s}s") from e
+        except TimeoutError as e:
+            raise StreamTimeout(
+                f"KV server {self.url} {path}: no progress in {self.timeout_s}s") from e
         except (OSError, http.client.HTTPException) as e:
             raise TransportError(f"KV server {self.url} {path} failed: {e}") from e
         finally:
@@ -103,7 +107,8 @@ class KVClient:
     def precompute(self, tokens: Sequence[int]) -> dict[str, Any]:
         return dict(self._call("POST", "/v1/precompute", {"tokens": list(tokens)}))
 
-    def stream(self, keys: Sequence[str], codec: str = "f16") -> Iterator[Received]:
+    def stream(self, keys: Sequence[str],
+               codec: str = "f16") -> Generator[Received, None, None]:
         """Yield chunks in key order as they arrive."""
         if self._session is None or self._cipher is None:
             self.open_session()
@@ -114,9 +119,11 @@ class KVClient:
                             {"session": sid, "keys": list(keys), "codec": codec}) as resp:
             if resp.status == 403:
                 self._session = None
-                raise TransportError("KV server rejected the session; a new one is opened next time")
+                raise TransportError(
+                    "KV server rejected the session; a new one is opened next time")
             if resp.status != 200:
-                raise TransportError(f"KV server /v1/chunks answered {resp.status}: {resp.read()[:200]!r}")
+                raise TransportError(
+                    f"KV server /v1/chunks answered {resp.status}: {resp.read()[:200]!r}")
             for key in keys:
                 head = self._read(resp, FRAME.size)
                 length, status = FRAME.unpack(head)
@@ -141,3 +148,27 @@ class KVClient:
             if self.shaper:
                 self.shaper.on_bytes(len(part))
         return bytes(buf)
+
+
+class BackgroundStream:
+    """One `KVClient.stream` on a background thread: (index, Received) items arrive on `q`,
+    then None at the end, or the exception that ended it."""
+
+    def __init__(self, client: KVClient, keys: Sequence[tuple[int, str]], codec: str) -> None:
+        self.q: queue.Queue[tuple[int, Received] | BaseException | None] = queue.Queue()
+        self.pending = [i for i, _ in keys]
+        self.cancelled = False  # set when the reader no longer needs this stream
+        self.t0 = time.perf_counter()
+        self._thread = threading.Thread(target=self._run, args=(client, keys, codec), daemon=True)
+        self._thread.start()
+
+    def _run(self, client: KVClient, keys: Sequence[tuple[int, str]], codec: str) -> None:
+        try:
+            idx = [i for i, _ in keys]
+            for n, rec in enumerate(client.stream([k for _, k in keys], codec)):
+                if self.cancelled:
+                    return  # closing the generator closes the connection
+                self.q.put((idx[n], rec))
+            self.q.put(None)
+        except BaseException as e:  # noqa: BLE001 - handed to the reader
+            self.q.put(e)

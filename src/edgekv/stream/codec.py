@@ -17,6 +17,7 @@ session and chunk key, so a tampered, truncated or swapped frame fails authentic
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import numpy as np
 
@@ -53,11 +54,12 @@ def _q4(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return packed, lo.astype(np.float32), step.astype(np.float32)
 
 
-def _dq4(packed: np.ndarray, lo: np.ndarray, step: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+def _dq4(packed: np.ndarray, lo: np.ndarray, step: np.ndarray,
+         shape: tuple[int, ...]) -> np.ndarray:
     q = np.empty(packed.size * 2, np.uint8)
     q[0::2], q[1::2] = packed & 0x0F, packed >> 4
-    q = q[: int(np.prod(shape))].reshape(shape)
-    return (q.astype(np.float32) * step + lo).astype(np.float16)
+    out = q[: int(np.prod(shape))].reshape(shape)
+    return (out.astype(np.float32) * step + lo).astype(np.float16)
 
 
 def encode_chunk(frag: KVFragment, level: str = "f16", *, zstd_level: int = 3) -> bytes:
@@ -66,7 +68,8 @@ def encode_chunk(frag: KVFragment, level: str = "f16", *, zstd_level: int = 3) -
     if level not in LEVELS:
         raise ConfigError(f"codec level {level!r} is not one of {LEVELS}")
     header: dict[str, object] = {**fragment_header(frag), "codec": level}
-    arrays: dict[str, np.ndarray | None] = {"token_ids": frag.token_ids, "embedding": frag.embedding}
+    arrays: dict[str, np.ndarray | None] = {"token_ids": frag.token_ids,
+                                            "embedding": frag.embedding}
     if level == "f16":
         arrays.update(keys=frag.keys, values=frag.values)
     elif level == "int8":
@@ -100,7 +103,8 @@ def decode_chunk(data: bytes) -> KVFragment:
                 parts[name] = _dq8(arrays[f"{name}_q"], arrays[f"{name}_scale"])
         elif level == "int4":
             for name in ("keys", "values"):
-                shape = tuple(int(x) for x in header.pop(f"{name}_shape"))  # type: ignore[union-attr]
+                spec: Any = header.pop(f"{name}_shape")  # malformed: TypeError, below
+                shape = tuple(int(x) for x in spec)
                 parts[name] = _dq4(arrays[f"{name}_q"], arrays[f"{name}_lo"],
                                    arrays[f"{name}_step"], shape)
         else:
@@ -140,7 +144,8 @@ class SessionCipher:
         try:
             return self._aead.decrypt(frame[:12], frame[12:], aad)
         except InvalidTag:
-            raise ChunkRejected("chunk failed authentication (tampered, truncated or misplaced)") from None
+            raise ChunkRejected(
+                "chunk failed authentication (tampered, truncated or misplaced)") from None
 
 
 def derive_session_key(secret: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:

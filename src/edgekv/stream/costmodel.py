@@ -76,7 +76,8 @@ class CostModel:
         else:
             self.prefill_a_s = float(ys.mean() - self.prefill_b_s * xs.mean())
 
-    def calibrate(self, adapter: object, chunk_size: int, positions: Sequence[int] = (0, 3)) -> None:
+    def calibrate(self, adapter: object, chunk_size: int,
+                  positions: Sequence[int] = (0, 3)) -> None:
         """Time real prefills of one chunk at a few positions on this device."""
         a = adapter
         filler = [int(t) for t in range(100, 100 + chunk_size)]

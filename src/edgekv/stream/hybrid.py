@@ -1,37 +1,39 @@
-"""The SparKV executor: stream some chunks, compute others, overlap both, adapt, fall back.
+"""SparKV as a step of the one request path: stream some chunks, compute others, overlap.
 
-The device computes chunks in order. Chunks planned for streaming arrive on a background
-thread; whenever the next chunk (or a run of them) has arrived it is injected, otherwise the
-device either waits for it (if it is predicted to land sooner than computing it would take)
-or computes it itself. When the stream finishes early the rest of the plan is revised from the
-measured throughput and more chunks are requested; a timeout, dropped connection, rejected
-chunk or wrong model turns every remaining chunk into local compute. The answer never depends
-on which path a chunk took: streamed chunks are verified (chain key, tokens, layers) and, at
-the default f16 level, bit-identical to computed ones.
+`HybridLoader.generate` is `EdgeKV.generate` with this step plugged in (`request.FillStep`):
+the device's own whole chunks are injected, the step brings the engine to the prompt's last
+whole chunk, the rest is prefilled, answered and stored as for any request. Chunks are taken
+in order: a streamed run that has arrived is appended to what the engine holds
+(`KVAdapter.append_fragments`: computed KV never leaves it); else the device waits for the
+next chunk if it should land before computing it would end, or computes it. A stream that
+ends early re-plans the rest from measurements; a timeout, dropped connection, rejected chunk
+or wrong model turns what is left into local compute. Streamed chunks are verified (chain
+key, tokens, layers) and, at the default f16 level, bit-identical to computed ones.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import queue
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 
 from ..cache import EdgeKV
 from ..errors import ChunkRejected, EdgeKVError, IncompatibleFragment, TransportError
 from ..fragment import KVFragment
-from .client import KVClient, Received
+from ..request import Filled, FillRequest
+from .client import BackgroundStream, KVClient, Received
 from .costmodel import CostModel
-from .planner import COMPUTE, STREAM, Plan, plan
+from .planner import COMPUTE, LOCAL, STREAM, ChunkAction, Plan, plan
 
 __all__ = ["HybridLoader", "HybridResult"]
 
 log = logging.getLogger(__name__)
+STRATEGIES = ("hybrid", "local", "stream")
 
 
 @dataclass
@@ -52,35 +54,53 @@ class HybridResult:
     stream_s: float = 0.0  # seconds the radio was receiving (request sent -> last chunk)
 
 
-class _Stream:
-    """One streaming request on a background thread; results arrive on a queue."""
+@dataclass(slots=True)
+class _Run:
+    """One request's executor state: the engine holds chunks [0, pos); `actions` is the plan
+    for every chunk (revised as it runs); `got` holds streamed chunks not yet appended."""
 
-    def __init__(self, client: KVClient, keys: Sequence[tuple[int, str]], codec: str) -> None:
-        self.q: queue.Queue[tuple[int, Received] | BaseException | None] = queue.Queue()
-        self.pending = [i for i, _ in keys]
-        self.cancelled = False  # set when the executor no longer needs this stream
-        self.t0 = time.perf_counter()
-        self._thread = threading.Thread(target=self._run, args=(client, keys, codec), daemon=True)
-        self._thread.start()
+    req: FillRequest
+    actions: list[ChunkAction]
+    res: HybridResult
+    patient: bool  # wait for every streamed chunk (the all-stream baseline)
+    adaptive: bool  # re-plan when the stream ends while compute is still ahead (hybrid)
+    pos: int
+    stream: BackgroundStream | None = None
+    dead: bool = False  # streaming given up for this request
+    got: dict[int, KVFragment] = field(default_factory=dict)
+    last_at: float = 0.0  # arrival of the last streamed chunk, seconds since its request
+    waiting_since: dict[int, float] = field(default_factory=dict)
 
-    def _run(self, client: KVClient, keys: Sequence[tuple[int, str]], codec: str) -> None:
-        try:
-            idx = [i for i, _ in keys]
-            for n, rec in enumerate(client.stream([k for _, k in keys], codec)):
-                if self.cancelled:
-                    return  # closing the generator closes the connection
-                self.q.put((idx[n], rec))
-            self.q.put(None)
-        except BaseException as e:  # noqa: BLE001 - handed to the executor
-            self.q.put(e)
+    @property
+    def n(self) -> int:
+        return self.req.n_chunks
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.req.chunk_size * self.req.adapter.fingerprint.kv_bytes_per_token
+
+
+@dataclass(frozen=True, slots=True)
+class _Step:
+    """The executor as `EdgeKV.generate` calls it (`request.FillStep`), for one request."""
+
+    loader: HybridLoader
+    strategy: str
+    res: HybridResult
+
+    def fill(self, request: FillRequest) -> Filled:
+        return self.loader._fill(request, self.strategy, self.res)
 
 
 class HybridLoader:
     def __init__(self, kv: EdgeKV, client: KVClient | None, cost: CostModel | None = None, *,
-                 codec: str = "f16", objective: str = "ttft", max_replans: int = 3) -> None:
-        self.kv, self.client = kv, client
+                 codec: str = "f16", objective: str = "ttft",
+                 max_replans: int | None = None) -> None:
+        """`max_replans`: default `CacheConfig.stream_max_replans`."""
+        self.kv, self.client, self.config = kv, client, kv.config
         self.cost = cost or CostModel()
-        self.codec, self.objective, self.max_replans = codec, objective, max_replans
+        self.codec, self.objective = codec, objective
+        self.max_replans = self.config.stream_max_replans if max_replans is None else max_replans
         self.server_ok: str | None = None  # reason streaming is off, if it is
         if client is not None:
             try:
@@ -88,12 +108,12 @@ class HybridLoader:
                 info = client.info()
                 self.cost.observe_rtt(time.perf_counter() - t)
                 if info.get("fingerprint") != kv.fingerprint:
-                    self.server_ok = (f"server model {str(info.get('fingerprint'))[:12]} differs from "
-                                      f"this device's {kv.fingerprint[:12]}")
+                    self.server_ok = (f"server model {str(info.get('fingerprint'))[:12]} "
+                                      f"differs from this device's {kv.fingerprint[:12]}")
                     log.warning("KV server refused: %s; computing locally", self.server_ok)
-                elif info.get("chunk_size") != kv.config.chunk_size:
+                elif info.get("chunk_size") != self.config.chunk_size:
                     self.server_ok = (f"server chunks are {info.get('chunk_size')} tokens, this "
-                                      f"device uses {kv.config.chunk_size}")
+                                      f"device uses {self.config.chunk_size}")
                     log.warning("KV server refused: %s; computing locally", self.server_ok)
             except TransportError as e:
                 self.server_ok = f"server unreachable: {e}"
@@ -107,224 +127,187 @@ class HybridLoader:
 
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 16,
                  strategy: str = "hybrid", store: bool = True) -> HybridResult:
-        if strategy not in ("hybrid", "local", "stream"):
+        """Answer `prompt` through the cache's request path with this executor as its fill
+        step. `strategy`: "hybrid" (planned, re-planned), "stream" (every chunk the device
+        lacks is streamed: the all-stream baseline) or "local" (every such chunk computed)."""
+        if strategy not in STRATEGIES:
             raise EdgeKVError(f"strategy must be hybrid, local or stream, not {strategy!r}")
-        kv, a = self.kv, self.kv.adapter
-        t0 = time.perf_counter()
-        tokens = a.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        if len(tokens) + max_tokens > a.n_ctx:
-            raise EdgeKVError(f"prompt + max_tokens exceeds the context window ({a.n_ctx})")
-        c = kv.config.chunk_size
-        all_keys = kv.chunk_keys(tokens)
-        keys = all_keys[: (len(tokens) - 1) // c]
-        n = len(keys)
-        # the device's own cache first; the executor handles one fragment per chunk
-        local = [ch.fragments[0] for ch in
-                 itertools.takewhile(lambda ch: len(ch.fragments) == 1, kv.cached_chunks(keys))]
-        raw = c * a.fingerprint.kv_bytes_per_token
-        stream_ok = self.streaming and strategy != "local"
-        flags = [i < len(local) for i in range(n)]
-        if strategy == "local" or not stream_ok:
-            actions = tuple("local" if f else COMPUTE for f in flags)
-            p = None
-        elif strategy == "stream":
-            actions = tuple("local" if f else STREAM for f in flags)
-            p = None
-        else:
-            p = plan(n, flags, [True] * n, raw, self.cost, objective=self.objective)
-            actions = p.actions
-        res = HybridResult("", (), np.zeros(0, np.float32), strategy=strategy, plan=p,
-                           local_chunks=len(local))
-        if not stream_ok and self.server_ok and strategy != "local":
-            res.fallback = self.server_ok
-        logits = self._execute(tokens, keys, local, list(actions), res,
-                               patient=strategy == "stream", adaptive=strategy == "hybrid")
-        res.ttft_s = time.perf_counter() - t0
-        res.first_logits = logits
-        gen = a.generate(logits, max_tokens)
-        res.tokens, res.text = gen.tokens, a.detokenize(gen.tokens)
-        # quantized chunks are not this request's exact KV: nothing computed on them is stored
-        if store and (self.codec == "f16" or res.streamed_chunks == 0):
-            kv.store_new(tokens, len(local) * c, all_keys)
+        res = HybridResult("", (), np.zeros(0, np.float32), strategy=strategy)
+        # strict whole chunks from the device's cache; approximate KV is never streamed onto
+        r = self.kv.generate(prompt, max_tokens=max_tokens, store=store, approximate=False,
+                             fill=_Step(self, strategy, res))
+        res.text, res.tokens, res.first_logits = r.text, r.tokens, r.first_logits
+        res.ttft_s, res.computed_tokens = r.ttft_s, r.computed_tokens
         return res
 
     # -- execution -----------------------------------------------------------------------
 
-    def _verify(self, frag: KVFragment, key: str, i: int, tokens: Sequence[int]) -> None:
-        c = self.kv.config.chunk_size
-        fp = self.kv.adapter.fingerprint
-        self.kv.reader.verify(frag, key, 0, fp.n_layer, None)
-        if (frag.keys.shape[2], frag.values.shape[2], frag.kv_dtype) != (fp.n_embd_k, fp.n_embd_v, fp.kv_dtype):
-            raise ChunkRejected(f"chunk {i} has KV widths/dtype {frag.keys.shape[2]}/"
-                                f"{frag.values.shape[2]}/{frag.kv_dtype}, the engine "
-                                f"{fp.n_embd_k}/{fp.n_embd_v}/{fp.kv_dtype}")
-        if frag.token_start != i * c or not np.array_equal(frag.token_ids, tokens[i * c : (i + 1) * c]):
-            raise ChunkRejected(f"chunk {i} does not hold the request's tokens")
+    def _fill(self, req: FillRequest, strategy: str, res: HybridResult) -> Filled:
+        """Plan the chunks after what the engine holds, then run the plan."""
+        n, held = req.n_chunks, req.held // req.chunk_size
+        res.local_chunks = held
+        flags = [i < held for i in range(n)]
+        stream_ok = self.streaming and strategy != "local"
+        if not stream_ok or strategy == "stream":
+            rest = STREAM if stream_ok else COMPUTE
+            actions = [LOCAL if f else rest for f in flags]
+        else:
+            res.plan = plan(n, flags, [True] * n, req.chunk_size
+                            * req.adapter.fingerprint.kv_bytes_per_token, self.cost,
+                            objective=self.objective)
+            actions = list(res.plan.actions)
+        if not stream_ok and self.server_ok and strategy != "local":
+            res.fallback = self.server_ok
+        run = _Run(req, actions, res, patient=strategy == "stream",
+                   adaptive=strategy == "hybrid", pos=held)
+        self._start(run, [i for i in range(held, n) if actions[i] == STREAM])
+        while run.pos < n:
+            self._drain(run)
+            if run.pos in run.got:
+                self._append_arrived(run)
+            elif not self._wait(run):
+                self._compute(run)
+        if run.stream is not None:
+            run.stream.cancelled = True
+        # quantized chunks are not this request's exact KV: nothing computed on them is stored
+        return Filled(n * req.chunk_size, res.streamed_chunks * req.chunk_size,
+                      exact=self.codec == "f16" or res.streamed_chunks == 0)
 
-    def _execute(self, tokens: list[int], keys: list[str], local: list[KVFragment],
-                 actions: list[str], res: HybridResult, *, patient: bool = False,
-                 adaptive: bool = True) -> np.ndarray:
-        """`patient`: wait for every streamed chunk (the all-stream baseline) instead of
-        computing one that is predicted to arrive later than it would take to compute."""
-        a, c = self.kv.adapter, self.kv.config.chunk_size
-        n = len(keys)
-        frags: dict[int, KVFragment] = dict(enumerate(local))
-        a.clear_kv_cache()
-        if local:
+    def _start(self, run: _Run, idx: list[int]) -> None:
+        run.stream = (BackgroundStream(self.client, [(i, run.req.keys[i]) for i in idx], self.codec)
+                      if idx and self.client is not None else None)
+
+    def _give_up(self, run: _Run) -> None:
+        """Stop streaming for this request: every chunk still ahead is computed."""
+        run.dead = True
+        if run.stream is not None:
+            run.stream.cancelled = True
+            run.stream = None
+
+    def _drain(self, run: _Run) -> None:
+        """Take in whatever has arrived."""
+        while run.stream is not None:
             try:
-                a.inject_fragments(local)
-            except (IncompatibleFragment, EdgeKVError) as e:
-                log.warning("local chunks refused (%s); recomputing them", e)
-                a.clear_kv_cache()
-                frags.clear()
-                actions = [COMPUTE if x == "local" else x for x in actions]
-                local = []
-        pos = len(local)  # chunks whose KV the engine holds
-        waiting_since: dict[int, float] = {}
-        stream: _Stream | None = None
-        dead = False
-        got: dict[int, KVFragment] = {}
+                item = run.stream.q.get_nowait()
+            except queue.Empty:
+                return
+            self._take(run, item)
 
-        def start(idx: list[int]) -> _Stream | None:
-            if not idx or self.client is None:
-                return None
-            return _Stream(self.client, [(i, keys[i]) for i in idx], self.codec)
-
-        stream = start([i for i in range(pos, n) if actions[i] == STREAM])
-        last_at = 0.0
-
-        def take(item: object) -> None:
-            """Record one queue item; a sentinel or an error ends the current stream."""
-            nonlocal stream, dead, last_at
-            assert stream is not None
-            last_at = self._take(item, stream, got, keys, tokens, res, last_at)
-            if item is None or isinstance(item, BaseException):
-                dead = dead or isinstance(item, BaseException)
-                stream, last_at = None, 0.0
-
-        while pos < n:
-            while stream is not None:  # take in whatever has arrived
-                try:
-                    take(stream.q.get_nowait())
-                except queue.Empty:
-                    break
-            if pos in got:
-                end = pos
-                while end in got:
-                    end += 1
-                run = {i: got.pop(i) for i in range(pos, end)}
-                try:
-                    self._sync({**frags, **run}, pos, end)
-                except (IncompatibleFragment, EdgeKVError) as e:
-                    res.fallback = f"streamed chunks refused by the engine: {e}"
-                    log.warning("%s; computing them locally", res.fallback)
-                    dead = True
-                    if stream is not None:
-                        stream.cancelled = True
-                        stream = None
-                    self._ensure_engine_holds(frags, pos)
-                    continue
-                frags.update(run)
-                res.streamed_chunks += end - pos
-                pos = end
-                continue
-            if not dead and stream is not None and actions[pos] == STREAM and pos in stream.pending:
-                ahead = [i for i in stream.pending if i <= pos and i not in got]
-                raw = len(ahead) * c * a.fingerprint.kv_bytes_per_token
-                wait = self.cost.transfer_s(self.cost.wire_bytes(raw))
-                assert self.client is not None
-                since = waiting_since.setdefault(pos, time.perf_counter())
-                # how long this chunk may keep the device idle: a trickling server never trips
-                # the per-read timeout, so the wait itself has a deadline
-                budget = (10 if patient else 2) * self.client.timeout_s + 2 * wait
-                if time.perf_counter() - since > budget:
-                    res.fallback = f"chunk {pos} not delivered within {budget:.1f}s"
-                    log.warning("%s; computing the rest locally", res.fallback)
-                    dead, stream.cancelled, stream = True, True, None
-                elif patient or wait < self.cost.compute_s(pos):
-                    try:
-                        take(stream.q.get(timeout=max(0.05, min(2 * wait + 0.05, self.client.timeout_s))))
-                    except queue.Empty:
-                        pass
-                    continue
-            # compute chunk `pos` locally
-            self._ensure_engine_holds(frags, pos)
-            t = time.perf_counter()
-            a.prefill(tokens[pos * c : (pos + 1) * c], align=c)
-            self.cost.observe_prefill(pos, time.perf_counter() - t)
-            res.computed_chunks += 1
-            res.computed_tokens += c
-            frags.pop(pos, None)
-            pos += 1
-            if (adaptive and stream is None and not dead and self.streaming
-                    and res.replans < self.max_replans
-                    and any(actions[i] == COMPUTE for i in range(pos + 1, n))):
-                actions, stream = self._replan(actions, pos, n, start, res)
-        if stream is not None:
-            stream.cancelled = True
-        self._ensure_engine_holds(frags, n)
-        tail = tokens[n * c :]
-        res.computed_tokens += len(tail)
-        return a.prefill(tail, align=c)
-
-    def _take(self, item: object, stream: _Stream, got: dict[int, KVFragment], keys: list[str],
-              tokens: list[int], res: HybridResult, last_at: float) -> float:
-        if isinstance(item, BaseException):
-            res.fallback = f"{type(item).__name__}: {item}"
-            self.cost.observe_failure(True)
-            log.warning("KV stream failed (%s); computing the remaining chunks locally", item)
-            return last_at
-        if item is None:
-            self.cost.observe_failure(False)
-            return last_at
-        i, rec = item  # type: ignore[misc]
+    def _take(self, run: _Run, item: object) -> None:
+        """Record one queue item; a sentinel or an error ends the current stream."""
+        res, stream = run.res, run.stream
+        assert stream is not None
+        if isinstance(item, BaseException) or item is None:
+            if item is not None:
+                res.fallback = f"{type(item).__name__}: {item}"
+                log.warning("KV stream failed (%s); computing the remaining chunks locally",
+                            item)
+            self.cost.observe_failure(item is not None)
+            run.dead = run.dead or item is not None
+            run.stream, run.last_at = None, 0.0
+            return
+        i, rec = cast("tuple[int, Received]", item)
         stream.pending = [k for k in stream.pending if k != i]
         res.wire_bytes += rec.wire_bytes
-        res.stream_s += rec.at_s - (last_at if last_at else 0.0)
+        res.stream_s += rec.at_s - (run.last_at if run.last_at else 0.0)
         if rec.fragment is None:
-            return last_at
+            return
         try:
-            self._verify(rec.fragment, keys[i], i, tokens)
+            run.req.check(rec.fragment, i)
         except (ChunkRejected, IncompatibleFragment) as e:
             res.fallback = f"chunk {i} rejected: {e}"
             log.warning("streamed chunk %d rejected (%s); computing it locally", i, e)
-            return last_at
+            return
         # the first chunk's time includes the request's round trip (estimated from the small
         # calls); later chunks' inter-arrival times are pure transfer
-        gap = rec.at_s - (last_at if last_at else self.cost.rtt_s)
+        gap = rec.at_s - (run.last_at if run.last_at else self.cost.rtt_s)
+        if gap <= 1e-4 and not run.last_at:
+            # it came sooner than the round-trip estimate (which includes connection setup):
+            # its whole arrival time bounds the transfer, so the link is at least that fast
+            gap = rec.at_s
         self.cost.observe_transfer(rec.wire_bytes, gap)
         self.cost.observe_wire_ratio(rec.wire_bytes, rec.fragment.nbytes)
-        got[i] = rec.fragment
-        return rec.at_s
+        run.got[i] = rec.fragment
+        run.last_at = rec.at_s
 
-    def _replan(self, actions: list[str], pos: int, n: int, start, res: HybridResult):  # type: ignore[no-untyped-def]
+    def _append_arrived(self, run: _Run) -> None:
+        """Append the run of arrived chunks that starts at `pos` to what the engine holds."""
+        end = run.pos
+        while end in run.got:
+            end += 1
+        frags = [run.got.pop(i) for i in range(run.pos, end)]
+        try:
+            run.req.adapter.append_fragments(frags)
+        except (IncompatibleFragment, EdgeKVError) as e:
+            run.res.fallback = f"streamed chunks refused by the engine: {e}"
+            log.warning("%s; computing them locally", run.res.fallback)
+            self._give_up(run)
+            self._recover(run)
+            return
+        run.res.streamed_chunks += end - run.pos
+        run.pos = end
+
+    def _recover(self, run: _Run) -> None:
+        """An append is refused without touching the context; should an engine lose it all
+        the same, its chunks [0, pos) are computed again (chunk-aligned, as they were)."""
+        a, c = run.req.adapter, run.req.chunk_size
+        if a.n_tokens != run.pos * c:
+            log.warning("the engine lost its context; recomputing %d chunks", run.pos)
+            a.clear_kv_cache()
+            if run.pos:
+                a.prefill(run.req.tokens[: run.pos * c], align=c)
+
+    def _wait(self, run: _Run) -> bool:
+        """Wait a little for chunk `pos` if it is on the wire and predicted to land before
+        computing it would end (always, when patient). False: compute it now."""
+        s, pos = run.stream, run.pos
+        if run.dead or s is None or run.actions[pos] != STREAM or pos not in s.pending:
+            return False
+        assert self.client is not None
+        ahead = [i for i in s.pending if i <= pos and i not in run.got]
+        wait = self.cost.transfer_s(self.cost.wire_bytes(len(ahead) * run.chunk_bytes))
+        since = run.waiting_since.setdefault(pos, time.perf_counter())
+        # how long this chunk may keep the device idle: a trickling server never trips the
+        # per-read timeout, so the wait itself has a deadline
+        cfg = self.config
+        timeouts = cfg.stream_patient_wait_timeouts if run.patient else cfg.stream_wait_timeouts
+        budget = timeouts * self.client.timeout_s + 2 * wait
+        if time.perf_counter() - since > budget:
+            run.res.fallback = f"chunk {pos} not delivered within {budget:.1f}s"
+            log.warning("%s; computing the rest locally", run.res.fallback)
+            self._give_up(run)
+            return False
+        if not (run.patient or wait < self.cost.compute_s(pos)):
+            return False
+        try:
+            self._take(run, s.q.get(timeout=max(0.05, min(2 * wait + 0.05,
+                                                           self.client.timeout_s))))
+        except queue.Empty:
+            pass
+        return True
+
+    def _compute(self, run: _Run) -> None:
+        """Prefill chunk `pos` on the device (chunk-aligned), then re-plan if that helps."""
+        a, c, pos = run.req.adapter, run.req.chunk_size, run.pos
+        t = time.perf_counter()
+        a.prefill(run.req.tokens[pos * c : (pos + 1) * c], align=c)
+        self.cost.observe_prefill(pos, time.perf_counter() - t)
+        run.res.computed_chunks += 1
+        run.pos += 1
+        if (run.adaptive and run.stream is None and not run.dead and self.streaming
+                and run.res.replans < self.max_replans
+                and any(run.actions[i] == COMPUTE for i in range(run.pos + 1, run.n))):
+            self._replan(run)
+
+    def _replan(self, run: _Run) -> None:
         """The stream is done and compute is still ahead: re-plan the rest from measurements."""
+        pos, n = run.pos, run.n
         rest = list(range(pos + 1, n))
-        c = self.kv.config.chunk_size
-        raw = c * self.kv.adapter.fingerprint.kv_bytes_per_token
         flags = [i <= pos for i in range(n)]  # chunk `pos` is being computed next: treat as held
-        p = plan(n, flags, [True] * n, raw, self.cost, objective=self.objective)
-        new = actions[: pos + 1] + [p.actions[i] for i in rest]
-        stream = start([i for i in rest if new[i] == STREAM])
-        if stream is not None:
-            res.replans += 1
-            log.info("re-planned at chunk %d: streaming %s", pos, [i for i in rest if new[i] == STREAM])
-        return new, stream
-
-    def _sync(self, frags: dict[int, KVFragment], held: int, end: int) -> None:
-        """Make the engine hold chunks [0, end): extract what it computed, inject everything."""
-        a = self.kv.adapter
-        missing = [i for i in range(held) if i not in frags]
-        if missing:
-            from ..engines.base import FragmentSpec
-
-            c = self.kv.config.chunk_size
-            specs = [FragmentSpec(f"computed-{i}", i * c, (i + 1) * c) for i in missing]
-            for i, f in zip(missing, a.extract_fragments(specs)):
-                frags[i] = f
-        a.inject_fragments([frags[i] for i in range(end)])
-
-    def _ensure_engine_holds(self, frags: dict[int, KVFragment], upto: int) -> None:
-        c = self.kv.config.chunk_size
-        if self.kv.adapter.n_tokens != upto * c:
-            self._sync(frags, self.kv.adapter.n_tokens // c, upto)
+        p = plan(n, flags, [True] * n, run.chunk_bytes, self.cost, objective=self.objective)
+        run.actions = run.actions[: pos + 1] + [p.actions[i] for i in rest]
+        streamed = [i for i in rest if run.actions[i] == STREAM]
+        self._start(run, streamed)
+        if run.stream is not None:
+            run.res.replans += 1
+            log.info("re-planned at chunk %d: streaming %s", pos, streamed)

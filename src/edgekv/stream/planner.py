@@ -13,20 +13,37 @@ predicted worse than either.
 
 from __future__ import annotations
 
+import enum
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from .costmodel import CostModel
 
-__all__ = ["Plan", "plan", "simulate"]
+__all__ = ["COMPUTE", "LOCAL", "STREAM", "ChunkAction", "Plan", "plan", "simulate"]
 
-LOCAL, STREAM, COMPUTE = "local", "stream", "compute"
+
+class ChunkAction(str, enum.Enum):
+    """What happens to one whole chunk of a prompt before its last tokens are prefilled. A
+    str enum: it compares, hashes and prints as its value ("local", "stream", "compute")."""
+
+    LOCAL = "local"  # in the device's own cache: injected
+    STREAM = "stream"  # fetched from the KV server while the device computes others
+    COMPUTE = "compute"  # prefilled on the device
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+LOCAL, STREAM, COMPUTE = ChunkAction.LOCAL, ChunkAction.STREAM, ChunkAction.COMPUTE
 
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    actions: tuple[str, ...]  # per chunk: local / stream / compute
+    actions: tuple[ChunkAction, ...]  # per chunk
     ttft_s: float  # predicted, excluding the tail prefill (the same for every plan)
     energy_j: float
     all_local_s: float
@@ -70,10 +87,11 @@ def simulate(actions: Sequence[str], raw_bytes: int, cost: CostModel, *,
     return t - start_s, energy
 
 
-def _candidates(fixed: Sequence[str], free: list[int], exhaustive_up_to: int):  # type: ignore[no-untyped-def]
+def _candidates(fixed: Sequence[ChunkAction], free: list[int],
+                exhaustive_up_to: int) -> Iterator[tuple[ChunkAction, ...]]:
     free_set = set(free)
 
-    def build(stream: set[int]) -> tuple[str, ...]:
+    def build(stream: set[int]) -> tuple[ChunkAction, ...]:
         return tuple(a if i not in free_set else (STREAM if i in stream else COMPUTE)
                      for i, a in enumerate(fixed))
 
@@ -103,7 +121,8 @@ def plan(n_chunks: int, local: Sequence[bool], available: Sequence[bool], raw_by
     all_local = tuple(fixed)
     all_stream = tuple(STREAM if i in free else a for i, a in enumerate(fixed))
     scored = []
-    for actions in itertools.chain([all_local, all_stream], _candidates(fixed, free, exhaustive_up_to)):
+    candidates = _candidates(fixed, free, exhaustive_up_to)
+    for actions in itertools.chain([all_local, all_stream], candidates):
         t, e = simulate(actions, raw_bytes, cost)
         scored.append((t, e, actions))
     best_t = min(s[0] for s in scored)

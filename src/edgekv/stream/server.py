@@ -2,9 +2,11 @@
 
 A real HTTP server process (stdlib ThreadingHTTPServer, loopback by default). Chunks live in
 the disk store by default or in Redis (`--store redis://...`), so several server processes can
-serve one store. With an engine (the default), `POST /v1/precompute` computes a context's
-chunks with the same model and engine as the device, aligned the same way, so streamed KV is
-bit-identical to what the device would compute.
+serve one store. They are read whole, through the cache's own `ChunkReader` (every layer,
+verified), so a store whose fragments are kept in layer groups is served too: a chunk goes out
+as one fragment of every layer. With an engine (the default), `POST /v1/precompute` computes
+a context's chunks with the same model and engine as the device, aligned the same way, so
+streamed KV is bit-identical to what the device would compute.
 """
 
 from __future__ import annotations
@@ -16,11 +18,15 @@ import os
 import secrets
 import threading
 import time
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from ..compactor import merge_layers
+from ..config import config_default
 from ..errors import EdgeKVError
+from ..lookup import ChunkReader
 from ..store.base import FragmentStore
 from .codec import LEVELS, SessionCipher, derive_session_key, encode_chunk
 from .protocol import FRAME, MISSING, OK, aad
@@ -28,7 +34,6 @@ from .protocol import FRAME, MISSING, OK, aad
 __all__ = ["KVServer", "load_secret"]
 
 log = logging.getLogger(__name__)
-SESSION_TTL_S = 3600.0
 
 
 def load_secret(path: Path, create: bool = False) -> bytes:
@@ -53,11 +58,23 @@ def load_secret(path: Path, create: bool = False) -> bytes:
 
 
 class KVServer:
+    """`reader` reads `store`'s chunks (`ChunkReader.for_model`); with an engine (an `EdgeKV`
+    over the same store) it defaults to the engine's. `session_ttl_s`: see
+    `CacheConfig.kv_session_ttl_s` (its default)."""
+
     def __init__(self, store: FragmentStore, secret: bytes, *, fingerprint: str,
-                 model: str, chunk_size: int, engine: Any = None, host: str = "127.0.0.1",
-                 port: int = 0) -> None:
-        self.store, self.secret, self.engine = store, secret, engine
+                 model: str, chunk_size: int, engine: Any = None,
+                 reader: ChunkReader | None = None, host: str = "127.0.0.1",
+                 port: int = 0, session_ttl_s: float | None = None) -> None:
+        if reader is None:
+            if engine is None:
+                raise EdgeKVError("KVServer needs a reader (ChunkReader.for_model(store, "
+                                  "fingerprint, layers_per_fragment)) or an engine")
+            reader = engine.reader
+        self.store, self.secret, self.engine, self.reader = store, secret, engine, reader
         self.fingerprint, self.model, self.chunk_size = fingerprint, model, chunk_size
+        self.session_ttl_s = (config_default("kv_session_ttl_s") if session_ttl_s is None
+                              else session_ttl_s)  # CacheConfig.kv_session_ttl_s
         self._sessions: dict[str, tuple[SessionCipher, float]] = {}
         self._lock = threading.Lock()
         self._engine_lock = threading.Lock()
@@ -87,7 +104,7 @@ class KVServer:
     def _session(self, sid: str) -> SessionCipher | None:
         with self._lock:
             now = time.time()
-            for k in [k for k, (_, t) in self._sessions.items() if now - t > SESSION_TTL_S]:
+            for k in [k for k, (_, t) in self._sessions.items() if now - t > self.session_ttl_s]:
                 del self._sessions[k]
             entry = self._sessions.get(sid)
             return entry[0] if entry else None
@@ -107,21 +124,21 @@ class KVServer:
         if not prompt:
             raise EdgeKVError("precompute needs 'tokens' (list of ints) or 'prompt' (string)")
         with self._engine_lock:
-            r = self.engine.generate(prompt, max_tokens=1)
-            tokens = (self.engine.adapter.tokenize(prompt) if isinstance(prompt, str)
-                      else [int(t) for t in prompt])
+            tokens = self.engine.prepare(prompt, max_tokens=1)
+            r = self.engine.generate(tokens, max_tokens=1)
             keys = self.engine.chunk_keys(tokens)
         return {"keys": keys, "stored": r.stored_fragments, "prompt_tokens": len(tokens)}
 
-    def frames(self, sid: str, keys: list[str], codec: str):  # type: ignore[no-untyped-def]
+    def frames(self, sid: str, keys: list[str], codec: str) -> Iterator[bytes]:
         cipher = self._session(sid)
         if cipher is None:
             raise PermissionError("unknown or expired session; open a new one")
         for key in keys:
-            frag = self.store.get(key)
-            if frag is None or frag.model_fingerprint != self.fingerprint:
+            chunk = self.reader.read(key, time.time(), [])
+            if chunk is None or chunk.head.model_fingerprint != self.fingerprint:
                 yield FRAME.pack(0, MISSING)
                 continue
+            frag = chunk.head if len(chunk.fragments) == 1 else merge_layers(chunk.fragments)
             sealed = cipher.seal(encode_chunk(frag, codec), aad(sid, key))
             yield FRAME.pack(len(sealed), OK) + sealed
 
@@ -165,7 +182,8 @@ class KVServer:
                     if self.path == "/v1/session":
                         self._json(200, server.open_session(bytes.fromhex(body["client_nonce"])))
                     elif self.path == "/v1/has":
-                        self._json(200, {"has": [server.store.contains(k) for k in body["keys"]]})
+                        self._json(200, {"has": [server.reader.contains(k)
+                                                 for k in body["keys"]]})
                     elif self.path == "/v1/precompute":
                         self._json(200, server.precompute(body))
                     elif self.path == "/v1/chunks":
@@ -179,8 +197,9 @@ class KVServer:
                         log.warning("kv-server: stream aborted: %s", e)
                         self.close_connection = True  # the body is cut: the client sees it
                         return
+                    bad_input = (KeyError, ValueError, TypeError, EdgeKVError)
                     code = 403 if isinstance(e, PermissionError) else (
-                        400 if isinstance(e, (KeyError, ValueError, TypeError, EdgeKVError)) else 500)
+                        400 if isinstance(e, bad_input) else 500)
                     self._json(code, {"error": f"{type(e).__name__}: {e}"})
 
             def _stream(self, body: dict[str, Any]) -> None:
