@@ -39,7 +39,8 @@ def run_codec_bench(*, model: str | None = None, prompts: int = 4, context_token
             cold_gen = a.generate(cold, gen_tokens).tokens
             a.clear_kv_cache()
             a.prefill(ids[:n], align=c)
-            frags = a.extract_fragments([FragmentSpec(f"k{i}", i * c, (i + 1) * c) for i in range(n // c)])
+            frags = a.extract_fragments([FragmentSpec(f"k{i}", i * c, (i + 1) * c)
+                                         for i in range(n // c)])
             for lv in LEVELS:
                 t = time.perf_counter()
                 wire = [encode_chunk(f, lv) for f in frags]
@@ -51,8 +52,9 @@ def run_codec_bench(*, model: str | None = None, prompts: int = 4, context_token
                 r["dec_ms"].append((t2 - t1) * 1000 / len(frags))
                 r["wire"].append(sum(len(w) for w in wire))
                 r["raw"].append(sum(f.keys.nbytes + f.values.nbytes for f in frags))
-                d = np.concatenate([np.abs(b.keys.astype(np.float32) - f.keys.astype(np.float32)).ravel()
-                                    for b, f in zip(back, frags)])
+                d = np.concatenate([
+                    np.abs(b.keys.astype(np.float32) - f.keys.astype(np.float32)).ravel()
+                    for b, f in zip(back, frags)])
                 r["kv_max"].append(float(d.max()))
                 r["kv_mean"].append(float(d.mean()))
                 a.clear_kv_cache()
@@ -64,7 +66,8 @@ def run_codec_bench(*, model: str | None = None, prompts: int = 4, context_token
                 r["agree"].append(sum(x == y for x, y in zip(gen, cold_gen)) / m if m else 1.0)
     finally:
         a.close()
-    levels = {lv: {"wire_bytes_per_token": round(sum(r["wire"]) / (prompts * (context_tokens // c) * c), 1),
+    tokens = prompts * (context_tokens // c) * c
+    levels = {lv: {"wire_bytes_per_token": round(sum(r["wire"]) / tokens, 1),
                    "wire_ratio": round(sum(r["wire"]) / sum(r["raw"]), 4),
                    "kv_max_abs_err": round(max(r["kv_max"]), 5),
                    "kv_mean_abs_err": round(float(np.mean(r["kv_mean"])), 6),

@@ -46,10 +46,9 @@ def run_engines_bench(*, model: str | None = None,
                       engines: tuple[str, ...] = ("llamacpp", "torch", "onnx"),
                       prompts: int = 3, context_tokens: int = 256, gen_tokens: int = 32,
                       speed_tokens: int = 512) -> dict[str, Any]:
+    from ..config import default_cache_dir
     from ..engines.base import FragmentSpec
     from ..engines.layout import can_inject, convert_fragment
-
-    from ..config import default_cache_dir
 
     ads = _adapters(model, engines, default_cache_dir())
     tokenizer = ads.get("llamacpp") or next(iter(ads.values()))
@@ -122,8 +121,9 @@ def run_engines_bench(*, model: str | None = None,
 
 
 def engines_table(res: dict[str, Any]) -> str:
-    rows = [[p["src"], p["dst"], f"{p['max_abs_logit_diff']:.4g}", f"{100 * p['greedy_agreement']:.1f}%",
-             p["conversion"], "yes" if p["reuse_enabled"] else "no"] for p in res["pairs"]]
+    rows = [[p["src"], p["dst"], f"{p['max_abs_logit_diff']:.4g}",
+             f"{100 * p['greedy_agreement']:.1f}%", p["conversion"],
+             "yes" if p["reuse_enabled"] else "no"] for p in res["pairs"]]
     t1 = table(["src", "dst", "max |logit diff|", f"greedy agreement ({res['gen_tokens']} tok)",
                 "conversion", "reuse enabled"], rows)
     rows2 = [[n, s["tokens"], s["prefill_ms"], s["prefill_tokens_per_s"], s["inject_ms_median"],

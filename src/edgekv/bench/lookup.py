@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..texts import MANUAL, QUESTIONS
 from .report import environment, table
-from .texts import MANUAL, QUESTIONS
 
 __all__ = ["lookup_table", "run_lookup_bench"]
 
@@ -72,8 +72,10 @@ def run_lookup_bench(*, model: str | None = None, entries: int = 1000, runs: int
                 points.append({
                     "prompt_tokens": len(ids),
                     "lookup_ms_median": round(med * 1000, 3),
-                    "embed_ms_median": round(statistics.median(r.embed_s for _, r in routes) * 1000, 3),
-                    "search_ms_median": round(statistics.median(r.search_s for _, r in routes) * 1000, 3),
+                    "embed_ms_median": round(
+                        statistics.median(r.embed_s for _, r in routes) * 1000, 3),
+                    "search_ms_median": round(
+                        statistics.median(r.search_s for _, r in routes) * 1000, 3),
                     "cold_ttft_ms": round(cold * 1000, 3),
                     "share_of_cold_ttft": round(med / cold, 4),
                     "tier": routes[-1][1].tier.value,

@@ -159,10 +159,17 @@ class LlamaRAMCacheMode:
         self.weight_bytes, self.kvpt = weight_bytes, kv_bytes_per_token
 
     def _reused(self, tokens: Sequence[int]) -> tuple[int, bool, int]:
-        lcp = self._lib.Llama.longest_token_prefix
-        resident = lcp(self.llm._input_ids.tolist(), list(tokens))
-        key = self.cache._find_longest_prefix_key(tuple(tokens))
-        cached = lcp(key, list(tokens)) if key is not None else 0
+        """What the next request reuses, from public state: the prefix the context holds
+        (`Llama.input_ids` up to `n_tokens`) or the cached state llama-cpp-python would load
+        (the first entry of `cache_state` with the longest common prefix, as its lookup picks
+        it); whether that is a load, and the bytes loaded."""
+        lcp, toks = self._lib.Llama.longest_token_prefix, list(tokens)
+        resident = lcp(self.llm.input_ids[: self.llm.n_tokens].tolist(), toks)
+        key, cached = None, 0
+        for k in self.cache.cache_state.keys():
+            n = lcp(k, toks)
+            if n > cached:
+                key, cached = k, n
         size = self.cache.cache_state[key].llama_state_size if key is not None else 0
         loads = cached > resident
         return min(max(resident, cached), len(tokens) - 1), loads, size if loads else 0

@@ -65,14 +65,15 @@ def _plots(res: dict[str, Any], out: Path, stem: str) -> list[str]:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     tiers = ["exact", "partial", "miss"]
     x = range(len(tiers))
-    for k, n in enumerate(("edgekv_strict", "edgekv_approx")):
+    shown = [n for n in ("edgekv_strict", "edgekv_approx") if n in res["modes"]]
+    for k, n in enumerate(shown):
         by = res["modes"][n]["hit_rate_by_tier"]
         ax.bar([i + 0.38 * k for i in x], [100 * by.get(t, {}).get("share", 0) for t in tiers],
                width=0.36, label=f"{LABELS[n]}: share of requests")
         for i, t in enumerate(tiers):
             if t in by:
-                ax.text(i + 0.38 * k, 100 * by[t]["share"] + 1, f"hit {100 * by[t]['hit_rate']:.0f}%",
-                        ha="center", fontsize=8)
+                ax.text(i + 0.38 * k, 100 * by[t]["share"] + 1,
+                        f"hit {100 * by[t]['hit_rate']:.0f}%", ha="center", fontsize=8)
     ax.set_xticks([i + 0.19 for i in x], tiers)
     ax.set_ylabel("% of requests routed to tier")
     ax.set_title("Semantic tier of each request (and KV reuse hit rate within it)")
@@ -109,7 +110,10 @@ def write_seed_report(res: dict[str, Any], md_path: Path) -> Path:
         "",
         f"Model {res['model']}; {res['clusters']} clusters, {res['unique_prompts']} distinct "
         f"prompts; first {res['max_tokens']} greedy tokens compared with the no-cache run "
-        f"(fidelity). Machine: {res['environment']['cpu_count']} CPUs, "
+        f"(fidelity). Reuse granularity: "
+        f"{res.get('reuse_granularity', {}).get('edgekv_strict', 'chunk')} "
+        f"({res.get('reuse_granularity', {}).get('reason', 'not recorded')}). "
+        f"Machine: {res['environment']['cpu_count']} CPUs, "
         f"{res['environment']['machine']}; run took {res['wall_s']} s; "
         f"{res['environment']['timestamp']}.",
         "",
@@ -124,13 +128,13 @@ def write_seed_report(res: dict[str, Any], md_path: Path) -> Path:
         "## Tiers (EdgeKV)",
         "",
     ]
-    for n in ("edgekv_strict", "edgekv_approx"):
+    for n in (n for n in ("edgekv_strict", "edgekv_approx") if n in res["modes"]):
         m = res["modes"][n]
         lines.append(f"- {LABELS[n]}: " + ", ".join(
             f"{t}: {100 * v['share']:.1f}% of requests, KV hit {100 * v['hit_rate']:.1f}%"
             for t, v in m["hit_rate_by_tier"].items())
             + f"; approximate injections: {m['approximate_requests']}")
-    pf = res["modes"]["edgekv_strict"].get("prefetch")
+    pf = res["modes"].get("edgekv_strict", {}).get("prefetch")
     if pf:
         lines += ["", f"N-gram prefetch (strict mode, top-3 contexts warmed into RAM in the "
                       f"background): {100 * pf['hit_rate']:.1f}% of {pf['predicted']} predicted "

@@ -1,4 +1,5 @@
-"""Small helpers shared by benchmark runners: medians, environment, JSON + table output."""
+"""Benchmark output: medians, environment, tables, and the reports each benchmark writes
+(JSON result + Markdown page, with plots where a benchmark has them)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["environment", "median_ms", "table", "write_json"]
+from ..markdown import table
+
+__all__ = ["environment", "median_ms", "serve_table", "table", "write_bench_report", "write_json"]
 
 
 def median_ms(seconds: Sequence[float]) -> float:
@@ -42,10 +45,38 @@ def write_json(path: str | Path, data: dict[str, Any]) -> Path:
     return p
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """A Markdown table (readable in a terminal too)."""
-    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    fmt = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
-    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    return "\n".join([fmt(cells[0]), sep] + [fmt(r) for r in cells[1:]])
+def write_bench_report(name: str, res: dict[str, Any], text: str,
+                       path: str | Path | None = None) -> str:
+    """Write benchmark `name`'s result as JSON at `path` (default `bench-out/<name>.json`) and
+    a Markdown page beside it holding `text` (its table); `seed` adds PNG plots (`plots.py`),
+    `stream` its TTFT-vs-bandwidth plot. Returns a line saying what was written."""
+    out = write_json(path or f"bench-out/{name}.json", res)
+    md = out.with_suffix(".md")
+    if name == "seed":
+        from .plots import write_seed_report
+
+        return f"wrote {out}\nreport: {write_seed_report(res, md)} (with PNG plots beside it)"
+    if name == "stream":
+        from .stream import write_stream_plot
+
+        png = write_stream_plot(res, out.with_suffix(".png"))
+        md.write_text(
+            f"# edgekv bench stream\n\n{text}\n\n(pred N): not run, predicted by the cost model "
+            f"(above the {res['stream_deadline_s']:.0f} s deadline). Energy: "
+            f"{res['energy_method']} (estimated).\n\n![TTFT vs bandwidth]({png.name})\n")
+        return f"wrote {out}, {md} and {png}"
+    md.write_text(text + "\n" if name == "serve" else f"# edgekv bench {name}\n\n{text}\n")
+    return f"wrote {out} and {md}"
+
+
+def serve_table(res: dict[str, Any]) -> str:
+    """`edgekv bench serve`: one row per server."""
+    rows = [[n, m["ttft_ms_mean"], m["ttft_ms_p50"], m["ttft_ms_p95"], m["e2e_ms_mean"],
+             m["requests_per_s"], f"{m['cached_tokens']}/{m['prompt_tokens']}",
+             f"{100 * m['agreement_own_cache_off']:.1f}%",
+             f"{100 * m['agreement_vs_plain']:.1f}%", m["start_s"],
+             m["ttft_ms_mean_after_restart"], m.get("edgekv_ttft_ratio", "-")]
+            for n, m in res["servers"].items()]
+    return table(["server", "TTFT mean ms", "p50", "p95", "e2e mean ms", "req/s",
+                  "cached/prompt tokens", "= own cache-off", "= plain", "start s",
+                  "TTFT after restart", "TTFT vs EdgeKV"], rows)

@@ -19,8 +19,8 @@ import numpy as np
 from ..cache import EdgeKV, GenerationResult
 from ..config import CacheConfig
 from ..store import open_store
+from ..texts import MANUAL, QUESTIONS, SYSTEM_PROMPT
 from .report import environment, median_ms, table
-from .texts import MANUAL, QUESTIONS, SYSTEM_PROMPT
 
 __all__ = ["run_reuse_bench"]
 
@@ -63,7 +63,7 @@ def run_reuse_bench(*, model: str | None = None, runs: int = 5, context_tokens: 
             got: dict[str, GenerationResult] = {}
             for mode in np.roll(["cold", "warm", "disk"], r):
                 if mode == "disk":
-                    store.tiers[0].clear()  # RAM tier
+                    store.clear_tier("ram")
                 got[mode] = kv.generate(prompt, max_tokens=max_tokens, use_cache=mode != "cold",
                                         store=False)
             cold.append(got["cold"])
@@ -84,8 +84,8 @@ def run_reuse_bench(*, model: str | None = None, runs: int = 5, context_tokens: 
             "cold_ttft_ms": median_ms([g.ttft_s for g in cold]),
             "warm_ttft_ms": median_ms([g.ttft_s for g in warm]),
             "warm_disk_ttft_ms": median_ms([g.ttft_s for g in disk]),
-            "speedup": round(np.median([g.ttft_s for g in cold]) / np.median([g.ttft_s for g in warm]), 2),
-            "speedup_disk": round(np.median([g.ttft_s for g in cold]) / np.median([g.ttft_s for g in disk]), 2),
+            "speedup": round(_median_s(cold) / _median_s(warm), 2),
+            "speedup_disk": round(_median_s(cold) / _median_s(disk), 2),
             "logits_max_abs_diff": max(diffs),
             "greedy_tokens_equal": all(equal),
             "cached_tokens_warm": warm[0].cached_tokens,
@@ -110,10 +110,15 @@ def run_reuse_bench(*, model: str | None = None, runs: int = 5, context_tokens: 
             tmp.cleanup()
 
 
+def _median_s(runs: list[GenerationResult]) -> float:
+    return float(np.median([g.ttft_s for g in runs]))
+
+
 def reuse_table(res: dict[str, Any]) -> str:
     rows = [
         ["cold (no cache)", res["cold_ttft_ms"], "1.00x", 0],
-        ["warm (RAM tier)", res["warm_ttft_ms"], f"{res['speedup']:.2f}x", res["cached_tokens_warm"]],
+        ["warm (RAM tier)", res["warm_ttft_ms"], f"{res['speedup']:.2f}x",
+         res["cached_tokens_warm"]],
         ["warm (disk tier)", res["warm_disk_ttft_ms"], f"{res['speedup_disk']:.2f}x",
          res["cached_tokens_warm"]],
     ]

@@ -20,14 +20,16 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..cache import EdgeKV
 from ..chat import render_chat
 from ..config import CacheConfig
 from ..energy import EnergyMeter, joules_to_mah
 from ..errors import ConfigError
+from ..fragment import common_prefix
 from ..store import open_store
-from .modes import (EdgeKVMode, LlamaRAMCacheMode, NoCacheMode, Outcome, PlainMode,
-                    StringMode)
+from .modes import EdgeKVMode, LlamaRAMCacheMode, NoCacheMode, Outcome, PlainMode, StringMode
 from .report import environment
 from .workload import ChatHistory, Request, load_workload, render, unique_prompts
 
@@ -143,7 +145,7 @@ def run_seed_bench(*, requests: list[Request] | None = None, n_requests: int = 1
     try:
         strict = _open_modes(adapter, engine, n_ctx, threads, root, MiniLMEmbedder(root),
                              kvs, modes)
-        template = adapter.chat_template()  # type: ignore[attr-defined]
+        template = adapter.chat_template()
         ref = "plain" if "plain" in modes else "nocache"
         if only is not None:
             unknown = set(only) - set(MODES)
@@ -157,11 +159,14 @@ def run_seed_bench(*, requests: list[Request] | None = None, n_requests: int = 1
         results: dict[str, Rows] = defaultdict(list)
         filled_reqs: list[Request] = []
         prompt_tokens: list[int] = []
+        seen: list[np.ndarray] = []  # earlier prompts, and each with its reference answer
+        lcp: list[int] = []
         t0 = time.perf_counter()
         for i, req in enumerate(reqs):
             filled, text, tokens = _prepare(req, history, adapter, template, n_ctx)
             filled_reqs.append(filled)
             prompt_tokens.append(len(tokens))
+            lcp.append(_longest_common_prefix(tokens, seen))
             # the reference first (chat history needs its answer), then the rest rotating
             order = (ref, *others[i % len(others):], *others[: i % len(others)])
             for name in order:
@@ -172,6 +177,8 @@ def run_seed_bench(*, requests: list[Request] | None = None, n_requests: int = 1
                 energy = meter.stop(cpu, out.traffic_bytes)
                 results[name].append((out, cpu, energy.joules))
             history.record(req, results[ref][-1][0].text)
+            answer = adapter.tokenize(results[ref][-1][0].text, add_bos=False)
+            seen += [np.asarray(tokens), np.asarray(list(tokens) + answer)]
             if progress:
                 _progress(i + 1, len(reqs), t0)
         energy_source = meter.source
@@ -180,6 +187,11 @@ def run_seed_bench(*, requests: list[Request] | None = None, n_requests: int = 1
         res = _summarise(filled_reqs, results, energy_source, energy_method, adapter,
                          time.perf_counter() - t0)
         res.update(_workload_info(workload, reqs, history, prompt_tokens, threads, ref))
+        # how much of what could be reused was: the longest common prefix of each prompt with
+        # any earlier prompt or prompt + answer (capped one short: the first token is computed)
+        res["lcp_tokens"] = sum(lcp)
+        for m in res["modes"].values():
+            m["reused_share_of_lcp"] = round(m["reused_tokens"] / max(1, sum(lcp)), 4)
         # what the batch-invariance probe decided for this engine build, model and CPU
         res["reuse_granularity"] = {
             "edgekv_strict": strict.granularity, "edgekv_chunk": "chunk",
@@ -198,6 +210,12 @@ def run_seed_bench(*, requests: list[Request] | None = None, n_requests: int = 1
                 modes[name].close()
         adapter.close()
         tmp.cleanup()
+
+
+def _longest_common_prefix(tokens: list[int], seen: list[np.ndarray]) -> int:
+    ids = np.asarray(tokens)
+    best = max((common_prefix(s, ids) for s in seen), default=0)
+    return min(best, len(tokens) - 1)
 
 
 def _workload_info(workload: str, reqs: list[Request], history: ChatHistory,

@@ -42,6 +42,9 @@ SERVERS: dict[str, tuple[str, bool, str]] = {
     "llama_cpp_server_nocache": ("llama_cpp_server", False, "llama_cpp_server_nocache"),
     "edgekv": ("edgekv", True, "edgekv_nocache"),
     "edgekv_nocache": ("edgekv", False, "edgekv_nocache"),
+    # EdgeKV on its fastest engine: ONNX Runtime over the same GGUF weights (de-quantized)
+    "edgekv_onnx": ("edgekv", True, "edgekv_onnx_nocache"),
+    "edgekv_onnx_nocache": ("edgekv", False, "edgekv_onnx_nocache"),
     "llama_cpp_server": ("llama_cpp_server", True, "llama_cpp_server_nocache"),
     "llama_server": ("llama_server", True, "llama_server_nocache"),
     "llama_server_reuse": ("llama_server", True, "llama_server_nocache"),
@@ -113,7 +116,9 @@ def _commands(name: str, *, model: str, n_ctx: int, threads: int, root: Path,
     py = sys.executable
     if system == "edgekv":
         cmd = [py, "-m", "edgekv", "serve", "--model", model, "--n-ctx", str(n_ctx),
-               "--port", "{port}", "--cache-dir", str(root / name)]
+               "--port", "{port}", "--cache-dir", str(root / name), "--threads", str(threads)]
+        if name.startswith("edgekv_onnx"):
+            cmd += ["--engine", "onnx"]
         return (cmd if cache else cmd + ["--no-cache"]), "/health"
     if system == "llama_cpp_server":
         return [py, "-m", "llama_cpp.server", "--model", model, "--n_ctx", str(n_ctx),
@@ -215,8 +220,11 @@ def run_serve_bench(*, model: str | None = None, requests: int = 40, users: int 
 
     path = str(resolve_model(model))
     threads = os.cpu_count() or 1
-    names = [n for n in SERVERS if servers is None or n in servers or n == REFERENCE
-             or n == SERVERS.get(n, ("", True, ""))[2]]
+    default = [n for n in SERVERS if not n.startswith("edgekv_onnx")]  # onnx: on request
+    wanted = default if servers is None else list(servers)
+    # each wanted server's own cache-off run and the plain reference always run
+    names = [n for n in SERVERS if n in wanted or n == REFERENCE
+             or any(SERVERS[w][2] == n for w in wanted if w in SERVERS)]
     unknown = set(servers or ()) - set(SERVERS)
     if unknown:
         raise ConfigError(f"unknown servers {sorted(unknown)}; choose from {list(SERVERS)}")

@@ -30,8 +30,8 @@ from ..stream.client import KVClient
 from ..stream.costmodel import RADIO_J_PER_BYTE, RADIO_W_ACTIVE, CostModel
 from ..stream.hybrid import HybridLoader
 from ..stream.netem import Shaper
+from ..texts import MANUAL, SYSTEM_PROMPT
 from .report import environment, table
-from .texts import MANUAL, SYSTEM_PROMPT
 
 __all__ = ["run_stream_bench", "stream_table"]
 
@@ -50,7 +50,8 @@ def _start_server(tmp: Path, model: str | None) -> tuple[subprocess.Popen[str], 
     return proc, line.split("listening on ")[1].split()[0]
 
 
-def run_stream_bench(*, model: str | None = None, bandwidths: tuple[float, ...] = (1, 5, 20, 100, 500),
+def run_stream_bench(*, model: str | None = None,
+                     bandwidths: tuple[float, ...] = (1, 5, 20, 100, 500),
                      rtts: tuple[float, ...] = (10, 80), contexts: tuple[int, ...] = (512, 1024),
                      stream_deadline_s: float = 40.0, max_tokens: int = 8,
                      progress: Any = None) -> dict[str, Any]:
@@ -141,7 +142,8 @@ def _point(adapter: Any, url: str, secret: bytes, prompt: list[int], cold: tuple
         cpu = time.process_time() - c0
         kv.close()
         out["ttft_ms"][strategy] = round(r.ttft_s * 1000, 1)
-        out["energy_j"][strategy] = round(cpu * CPU_W_PER_BUSY_CORE + r.wire_bytes * RADIO_J_PER_BYTE
+        out["energy_j"][strategy] = round(cpu * CPU_W_PER_BUSY_CORE
+                                          + r.wire_bytes * RADIO_J_PER_BYTE
                                           + r.stream_s * RADIO_W_ACTIVE, 3)
         out["wire_bytes"][strategy] = r.wire_bytes
         out["chunks"][strategy] = {"streamed": r.streamed_chunks, "computed": r.computed_chunks,
@@ -154,15 +156,20 @@ def _point(adapter: Any, url: str, secret: bytes, prompt: list[int], cold: tuple
     return out
 
 
+def _ttft_cell(p: dict[str, Any], strategy: str) -> str:
+    """A point's measured TTFT, or the cost model's prediction where the run was skipped."""
+    v = p["ttft_ms"][strategy]
+    return f"{v:.0f}" if v is not None else f"(pred {p['predicted_ms'][strategy]:.0f})"
+
+
 def stream_table(res: dict[str, Any]) -> str:
     rows = []
     for p in res["points"]:
         t = p["ttft_ms"]
         best_pure = min(x for x in (t["local"], t["stream"]) if x is not None)
-        fmt = lambda v, k: f"{v:.0f}" if v is not None else f"(pred {p['predicted_ms'][k]:.0f})"  # noqa: E731
-        rows.append([p["context_tokens"], p["bandwidth_mbps"], p["rtt_ms"], fmt(t["local"], "local"),
-                     fmt(t["stream"], "stream"), fmt(t["hybrid"], "hybrid"), p.get("plan", ""),
-                     f"{best_pure / t['hybrid']:.2f}x", p["fidelity"]])
+        rows.append([p["context_tokens"], p["bandwidth_mbps"], p["rtt_ms"],
+                     _ttft_cell(p, "local"), _ttft_cell(p, "stream"), _ttft_cell(p, "hybrid"),
+                     p.get("plan", ""), f"{best_pure / t['hybrid']:.2f}x", p["fidelity"]])
     return table(["ctx", "Mbit/s", "RTT ms", "local ms", "stream ms", "hybrid ms", "plan",
                   "hybrid vs best pure", "fidelity"], rows)
 
