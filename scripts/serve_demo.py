@@ -21,14 +21,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))  # run from a checkout without installing
 
-from edgekv.bench.texts import MANUAL, QUESTIONS, SYSTEM_PROMPT  # noqa: E402
 from edgekv.config import default_cache_dir  # noqa: E402
+from edgekv.texts import MANUAL, QUESTIONS, SYSTEM_PROMPT  # noqa: E402
 
 
 def start(cache_dir: Path, model: str | None) -> tuple[subprocess.Popen[str], str]:
     cmd = [sys.executable, "-m", "edgekv", "serve", "--port", "0", "--cache-dir", str(cache_dir)]
     cmd += ["--model", model] if model else []
-    path = [str(ROOT / "src")] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+    extra = [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []
+    path = [str(ROOT / "src"), *extra]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(path)}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     line = proc.stdout.readline()  # type: ignore[union-attr]
@@ -63,7 +64,8 @@ def main() -> int:
     try:
         import openai
     except ImportError:
-        raise SystemExit("the demo needs the openai client: pip install -e '.[test,serve]'")
+        raise SystemExit(
+            "the demo needs the openai client: pip install -e '.[test,serve]'") from None
     shutil.rmtree(args.cache_dir / "store", ignore_errors=True)  # cold start, probe kept
     proc, url = start(args.cache_dir, args.model)
     try:
