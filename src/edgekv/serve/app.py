@@ -23,14 +23,19 @@ from starlette.responses import JSONResponse, Response
 
 from ..cache import EdgeKV
 from ..errors import ConfigError
-from .errors import (CLIENT_GONE, APIError, api_error_response, client_gone_response,
-                     http_error_response)
+from .errors import (
+    CLIENT_GONE,
+    APIError,
+    api_error_response,
+    client_gone_response,
+    http_error_response,
+)
 from .generation import Delta, Finished, GenRequest, ServedModel
 from .guard import Tenant, authenticate, read_body, wait_disconnect
 from .metrics import CONTENT_TYPE, CountResponses, ServeMetrics
 from .responses import DONE, CompletionShape, EventStream, sse
-from .schemas import ChatRequest, CompletionRequest, parse_request, render_messages
 from .scheduler import Job, Scheduler
+from .schemas import ChatRequest, CompletionRequest, parse_request, render_messages
 
 __all__ = ["ServeOptions", "create_app"]
 

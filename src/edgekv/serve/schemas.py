@@ -127,7 +127,7 @@ class CompletionRequest(_Common):
                 raise bad_request(f"{len(p)} prompts in one request; send one prompt per "
                                   "request (batches are not supported)", param="prompt")
             p = p[0]
-        if len(p) == 0:  # type: ignore[arg-type]
+        if len(p) == 0:
             raise bad_request("the prompt is empty; give at least one character or token",
                               param="prompt")
         return p  # type: ignore[return-value]
