@@ -265,7 +265,7 @@ def test_every_request_path_shares_one_preamble(tmp_path):
             with pytest.raises(EdgeKVError, match="empty"):
                 run([])
     finally:
-        srv.httpd.server_close()
+        srv.shutdown()  # never started: closes its socket
         kv.store.close()
 
 

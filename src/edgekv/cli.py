@@ -219,7 +219,8 @@ def cmd_kv_server(args: argparse.Namespace) -> int:
                       reader=reader, host=args.host, port=args.port,
                       session_ttl_s=cfg.kv_session_ttl_s)
     host, port = server.address
-    print(f"kv-server listening on http://{host}:{port} (store {args.store or 'disk'}, "
+    shown = f"[{host}]" if ":" in host else host  # an IPv6 address, as a URL needs it
+    print(f"kv-server listening on http://{shown}:{port} (store {args.store or 'disk'}, "
           f"model {adapter.model_path.name})", flush=True)
     try:
         server.serve_forever()

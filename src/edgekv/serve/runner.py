@@ -12,13 +12,17 @@ import logging
 import socket
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 from ..cache import EdgeKV
 from ..config import CacheConfig
 from ..errors import EdgeKVError, EngineError
 from .app import ServeOptions, create_app
 
-__all__ = ["bind", "load_edgekv", "run"]
+if TYPE_CHECKING:
+    import uvicorn
+
+__all__ = ["bind", "load_edgekv", "run", "uvicorn_server"]
 
 log = logging.getLogger(__name__)
 
@@ -58,12 +62,26 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def uvicorn_server(app: Any, *, log_level: str | None = "warning",
+                   lifespan: Literal["auto", "on", "off"] = "on",
+                   graceful_s: int = 5, host_logging: bool = False) -> uvicorn.Server:
+    """uvicorn as both of EdgeKV's servers run it (no websockets), to be run on a socket from
+    `bind`: `server.run(sockets=[sock])`; `server.should_exit = True` stops it, letting
+    requests in flight finish for up to `graceful_s` seconds. `host_logging`: leave logging
+    to the host process (uvicorn's loggers propagate to its handlers) instead of installing
+    uvicorn's own configuration; `log_level=None` then leaves their levels alone too."""
+    import uvicorn
+
+    own: dict[str, Any] = {} if not host_logging else {"log_config": None}
+    return uvicorn.Server(uvicorn.Config(
+        app, log_level=log_level, access_log=log_level == "info", ws="none",
+        lifespan=lifespan, timeout_graceful_shutdown=graceful_s, **own))
+
+
 def run(load: Callable[[], EdgeKV], *, model_id: str, options: ServeOptions,
         host: str = "127.0.0.1", port: int = 8080,
         announce: Callable[[str], None] | None = None, log_level: str = "warning") -> int:
     """Serve until interrupted. `announce` gets the base URL once the socket listens."""
-    import uvicorn
-
     if not options.api_keys and not _loopback(host):
         log.warning("serving on %s without --api-key: anyone who can reach it can use it and "
                     "read its timing; add --api-key KEY", host)
@@ -77,9 +95,7 @@ def run(load: Callable[[], EdgeKV], *, model_id: str, options: ServeOptions,
             server.should_exit = True
 
     app = create_app(load, model_id=model_id, options=options, on_load_error=on_load_error)
-    server = uvicorn.Server(uvicorn.Config(
-        app, log_level=log_level, access_log=log_level == "info", ws="none", lifespan="on",
-        timeout_graceful_shutdown=5))
+    server = uvicorn_server(app, log_level=log_level)
     bound_host, bound_port = sock.getsockname()[:2]
     if announce is not None:
         shown = f"[{bound_host}]" if ":" in bound_host else bound_host

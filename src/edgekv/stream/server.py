@@ -1,12 +1,20 @@
 """`edgekv kv-server`: holds precomputed KV chunks and streams them, encrypted, by chunk key.
 
-A real HTTP server process (stdlib ThreadingHTTPServer, loopback by default). Chunks live in
-the disk store by default or in Redis (`--store redis://...`), so several server processes can
-serve one store. They are read whole, through the cache's own `ChunkReader` (every layer,
-verified), so a store whose fragments are kept in layer groups is served too: a chunk goes out
-as one fragment of every layer. With an engine (the default), `POST /v1/precompute` computes
-a context's chunks with the same model and engine as the device, aligned the same way, so
-streamed KV is bit-identical to what the device would compute.
+A real HTTP server (loopback by default) on the project's one HTTP stack: a FastAPI app run
+by uvicorn, on a socket bound by `serve.runner.bind` before it serves, in the foreground
+(`serve_forever`) or on a background thread (`start_background`). Store reads, precompute and
+encryption run in Starlette's threadpool, never on the event loop; a chunk stream is a
+`StreamingResponse` that reads, seals and sends one chunk per frame as the client takes them.
+The wire protocol (`protocol.py`) is unchanged: paths, JSON bodies, error objects
+`{"error": "Type: message"}` with 400 (bad input), 403 (unknown session), 404 (no route),
+500, and the chunked stream of frames.
+
+Chunks live in the disk store by default or in Redis (`--store redis://...`), so several
+server processes can serve one store. They are read whole, through the cache's own
+`ChunkReader` (every layer, verified), so a store whose fragments are kept in layer groups is
+served too: a chunk goes out as one fragment of every layer. With an engine (the default),
+`POST /v1/precompute` computes a context's chunks with the same model and engine as the
+device, aligned the same way, so streamed KV is bit-identical to what the device would compute.
 """
 
 from __future__ import annotations
@@ -19,14 +27,20 @@ import secrets
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..compactor import merge_layers
 from ..config import config_default
 from ..errors import EdgeKVError
 from ..lookup import ChunkReader
+from ..serve.errors import client_gone_response
+from ..serve.runner import bind, uvicorn_server
 from ..store.base import FragmentStore
 from .codec import LEVELS, SessionCipher, derive_session_key, encode_chunk
 from .protocol import FRAME, MISSING, OK, aad
@@ -34,6 +48,9 @@ from .protocol import FRAME, MISSING, OK, aad
 __all__ = ["KVServer", "load_secret"]
 
 log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 64 << 20  # a larger request body is refused (400)
+SHUTDOWN_GRACE_S = 1  # shutdown(): requests in flight get this long to finish, then are cut
 
 
 def load_secret(path: Path, create: bool = False) -> bytes:
@@ -57,6 +74,58 @@ def load_secret(path: Path, create: bool = False) -> bytes:
     return raw
 
 
+class _JSON(JSONResponse):
+    """JSON as the protocol has always written it (`json.dumps` with its defaults)."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content).encode()
+
+
+async def _raw_body(request: Request) -> bytes:
+    """The request body; over `MAX_BODY_BYTES` it is a 400, as the declared length or as read."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise ValueError("request body too large")
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > MAX_BODY_BYTES:
+            raise ValueError("request body too large")
+        parts.append(part)
+    return b"".join(parts)
+
+
+RawBody = Annotated[bytes, Depends(_raw_body)]
+
+
+def _parse(raw: bytes) -> dict[str, Any]:
+    obj = json.loads(raw or b"{}")
+    if not isinstance(obj, dict):
+        raise ValueError("request body must be a JSON object")
+    return obj
+
+
+async def _error_response(request: Request, e: Exception) -> Response:
+    """Every refusal as `{"error": "Type: message"}`: 403 for an unknown session, 400 for bad
+    input, 500 for anything else (uvicorn then logs it)."""
+    bad_input = (KeyError, ValueError, TypeError, EdgeKVError)
+    code = 403 if isinstance(e, PermissionError) else (400 if isinstance(e, bad_input) else 500)
+    return _JSON({"error": f"{type(e).__name__}: {e}"}, status_code=code)
+
+
+async def _no_route(request: Request, e: Exception) -> Response:
+    """Routing refusals as the protocol words them: a path (or a method on it) that does not
+    exist is a 404 for GET and POST; other methods are not implemented (501)."""
+    status = e.status_code if isinstance(e, HTTPException) else 500
+    if status not in (404, 405):
+        return _JSON({"error": str(getattr(e, "detail", e))}, status_code=status)
+    if request.method not in ("GET", "POST"):
+        return _JSON({"error": f"Unsupported method ({request.method!r})"}, status_code=501)
+    path, query = request.url.path, request.scope.get("query_string", b"")
+    target = f"{path}?{query.decode('latin-1')}" if query else path
+    return _JSON({"error": f"no route {target}"}, status_code=404)
+
+
 class KVServer:
     """`reader` reads `store`'s chunks (`ChunkReader.for_model`); with an engine (an `EdgeKV`
     over the same store) it defaults to the engine's. `session_ttl_s`: see
@@ -78,26 +147,82 @@ class KVServer:
         self._sessions: dict[str, tuple[SessionCipher, float]] = {}
         self._lock = threading.Lock()
         self._engine_lock = threading.Lock()
-        self.httpd = ThreadingHTTPServer((host, port), self._handler())
-        self.httpd.daemon_threads = True
+        # bound now: `address` is known (port 0 resolved) and clients may connect at once;
+        # they are answered as soon as the server runs
+        self._sock = bind(host, port)
+        host_, port_ = self._sock.getsockname()[:2]
+        self._address = (str(host_), int(port_))
+        self._server = uvicorn_server(self._build_app(), log_level=None, lifespan="off",
+                                      graceful_s=SHUTDOWN_GRACE_S, host_logging=True)
+        self._state = "new"  # -> "running" -> "closed"; a KVServer serves once
+        self._state_lock = threading.Lock()
+        self._stopped = threading.Event()
 
     @property
     def address(self) -> tuple[str, int]:
-        host, port = self.httpd.server_address[:2]
-        return str(host), int(port)
+        return self._address
 
     def serve_forever(self) -> None:
-        log.info("kv-server on http://%s:%d", *self.address)
-        self.httpd.serve_forever(poll_interval=0.2)
+        """Serve in this thread until `shutdown()` (from another thread) or, in the main
+        thread, SIGINT/SIGTERM (uvicorn stops gracefully, then re-raises the signal)."""
+        self._claim()
+        self._serve()
 
     def start_background(self) -> threading.Thread:
-        t = threading.Thread(target=self.serve_forever, daemon=True)
+        self._claim()
+        t = threading.Thread(target=self._serve, name="kv-server", daemon=True)
         t.start()
         return t
 
     def shutdown(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        """Stop serving and close the socket: no new connections; requests in flight get
+        `SHUTDOWN_GRACE_S` to finish, then are cut. Returns once the server has stopped; safe
+        to call on a server never started, and more than once."""
+        with self._state_lock:
+            running, self._state = self._state == "running", "closed"
+        if running:
+            self._server.should_exit = True  # uvicorn looks every 0.1 s
+            if not self._stopped.wait(SHUTDOWN_GRACE_S + 5):
+                self._server.force_exit = True
+                self._stopped.wait(5)
+        self._sock.close()
+        # a precompute cut by the grace period still runs in its worker thread: let it end,
+        # so that the caller may close the engine and the store once this returns
+        if self._engine_lock.acquire(timeout=60):
+            self._engine_lock.release()
+        else:
+            log.warning("kv-server: a precompute is still running after shutdown")
+
+    def _claim(self) -> None:
+        with self._state_lock:
+            if self._state != "new":
+                raise EdgeKVError(f"this KVServer is {self._state}: a KVServer serves once; "
+                                  "make a new one")
+            self._state = "running"
+
+    def _serve(self) -> None:
+        host, port = self.address
+        log.info("kv-server on http://%s:%d", f"[{host}]" if ":" in host else host, port)
+        try:
+            self._server.run(sockets=[self._sock])
+        finally:
+            self._sock.close()
+            self._stopped.set()
+
+    def _build_app(self) -> FastAPI:
+        """The ASGI app (FastAPI) that `serve_forever` runs."""
+        app = FastAPI(title="edgekv kv-server", docs_url=None, redoc_url=None,
+                      openapi_url=None)
+        app.add_api_route("/v1/info", self._info, methods=["GET"])
+        app.add_api_route("/v1/session", self._open_session, methods=["POST"])
+        app.add_api_route("/v1/has", self._has, methods=["POST"])
+        app.add_api_route("/v1/precompute", self._precompute, methods=["POST"])
+        app.add_api_route("/v1/chunks", self._chunks, methods=["POST"])
+        for bad in (PermissionError, KeyError, ValueError, TypeError, EdgeKVError, Exception):
+            app.add_exception_handler(bad, _error_response)
+        app.add_exception_handler(HTTPException, _no_route)
+        app.add_exception_handler(ClientDisconnect, client_gone_response)
+        return app
 
     # -- request handling ----------------------------------------------------------------
 
@@ -124,6 +249,8 @@ class KVServer:
         if not prompt:
             raise EdgeKVError("precompute needs 'tokens' (list of ints) or 'prompt' (string)")
         with self._engine_lock:
+            if self._state == "closed":
+                raise EdgeKVError("the kv-server is shutting down")
             tokens = self.engine.prepare(prompt, max_tokens=1)
             r = self.engine.generate(tokens, max_tokens=1)
             keys = self.engine.chunk_keys(tokens)
@@ -142,82 +269,30 @@ class KVServer:
             sealed = cipher.seal(encode_chunk(frag, codec), aad(sid, key))
             yield FRAME.pack(len(sealed), OK) + sealed
 
-    def _handler(self) -> type[BaseHTTPRequestHandler]:
-        server = self
+    # -- routes: the sync ones run in Starlette's threadpool ----------------------------
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
+    async def _info(self) -> Response:
+        return _JSON({"fingerprint": self.fingerprint, "model": self.model,
+                      "chunk_size": self.chunk_size, "codecs": list(LEVELS)})
 
-            def log_message(self, fmt: str, *args: Any) -> None:
-                log.debug("kv-server: " + fmt, *args)
+    def _open_session(self, raw: RawBody) -> Response:
+        return _JSON(self.open_session(bytes.fromhex(_parse(raw)["client_nonce"])))
 
-            def _json(self, code: int, obj: Any) -> None:
-                data = json.dumps(obj).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+    def _has(self, raw: RawBody) -> Response:
+        return _JSON({"has": [self.reader.contains(k) for k in _parse(raw)["keys"]]})
 
-            def _body(self) -> dict[str, Any]:
-                n = int(self.headers.get("Content-Length") or 0)
-                if n > 64 << 20:
-                    raise ValueError("request body too large")
-                obj = json.loads(self.rfile.read(n) or b"{}")
-                if not isinstance(obj, dict):
-                    raise ValueError("request body must be a JSON object")
-                return obj
+    def _precompute(self, raw: RawBody) -> Response:
+        return _JSON(self.precompute(_parse(raw)))
 
-            def do_GET(self) -> None:
-                if self.path == "/v1/info":
-                    self._json(200, {"fingerprint": server.fingerprint, "model": server.model,
-                                     "chunk_size": server.chunk_size, "codecs": list(LEVELS)})
-                else:
-                    self._json(404, {"error": f"no route {self.path}"})
-
-            def do_POST(self) -> None:
-                self._streaming = False
-                try:
-                    body = self._body()
-                    if self.path == "/v1/session":
-                        self._json(200, server.open_session(bytes.fromhex(body["client_nonce"])))
-                    elif self.path == "/v1/has":
-                        self._json(200, {"has": [server.reader.contains(k)
-                                                 for k in body["keys"]]})
-                    elif self.path == "/v1/precompute":
-                        self._json(200, server.precompute(body))
-                    elif self.path == "/v1/chunks":
-                        self._stream(body)
-                    else:
-                        self._json(404, {"error": f"no route {self.path}"})
-                except (BrokenPipeError, ConnectionResetError):
-                    pass  # the client went away mid-stream: nothing to answer
-                except Exception as e:  # noqa: BLE001 - answer, never kill the server thread
-                    if getattr(self, "_streaming", False):
-                        log.warning("kv-server: stream aborted: %s", e)
-                        self.close_connection = True  # the body is cut: the client sees it
-                        return
-                    bad_input = (KeyError, ValueError, TypeError, EdgeKVError)
-                    code = 403 if isinstance(e, PermissionError) else (
-                        400 if isinstance(e, bad_input) else 500)
-                    self._json(code, {"error": f"{type(e).__name__}: {e}"})
-
-            def _stream(self, body: dict[str, Any]) -> None:
-                codec = body.get("codec", "f16")
-                if codec not in LEVELS:
-                    raise ValueError(f"codec must be one of {LEVELS}")
-                keys = [str(k) for k in body["keys"]]
-                frames = server.frames(str(body["session"]), keys, codec)
-                first = next(frames, None)  # raises PermissionError before headers are sent
-                self.send_response(200)
-                self.send_header("Content-Type", "application/octet-stream")
-                self.send_header("Transfer-Encoding", "chunked")
-                self.end_headers()
-                self._streaming = True
-                for frame in itertools.chain([first] if first is not None else [], frames):
-                    self.wfile.write(f"{len(frame):x}\r\n".encode() + frame + b"\r\n")
-                    self.wfile.flush()
-                self.wfile.write(b"0\r\n\r\n")
-
-        return Handler
-
+    def _chunks(self, raw: RawBody) -> Response:
+        body = _parse(raw)
+        codec = body.get("codec", "f16")
+        if codec not in LEVELS:
+            raise ValueError(f"codec must be one of {LEVELS}")
+        keys = [str(k) for k in body["keys"]]
+        frames = self.frames(str(body["session"]), keys, codec)
+        first = next(frames, None)  # an unknown session raises here: a 403, not a cut stream
+        # each further frame is read and sealed in the threadpool when the client has taken
+        # the previous ones; a failure mid-stream cuts the body (no last chunk) and is logged
+        return StreamingResponse(itertools.chain([first] if first is not None else [], frames),
+                                 media_type="application/octet-stream")
