@@ -1,7 +1,7 @@
 """Print the llama.cpp CMake flags for the CPU this runs on (setup reads them; nothing is
 assumed about the machine the project was written on).
 
-Why not GGML_NATIVE: `-march=native` also enables AMX on Intel CPUs whose VM forbids its
+Why not GGML_NATIVE: a native build also enables AMX on Intel CPUs whose VM forbids its
 tile registers (every decode then dies with SIGSEGV), and a wheel built natively on one
 machine dies with SIGILL on another. So each instruction set is switched on only where
 /proc/cpuinfo lists it, and AMX is always off. The setup stamp records these flags: a venv
