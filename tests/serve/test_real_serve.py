@@ -18,7 +18,7 @@ import pytest
 from edgekv.engines.models import default_model_path
 from edgekv.texts import MANUAL, SYSTEM_PROMPT
 
-from .conftest import real_stack
+from ..conftest import real_stack
 
 real_stack("the real server stack", "llama_cpp", "fastapi", "uvicorn", "openai",
            check=default_model_path)

@@ -15,7 +15,7 @@ from edgekv.chat import render_chat
 from edgekv.engines import probe as probe_mod
 from edgekv.engines.models import default_model_path
 
-from .conftest import real_stack
+from ..conftest import real_stack
 
 real_stack("real engine", "llama_cpp", check=default_model_path)
 
@@ -25,7 +25,7 @@ from edgekv.engines.llamacpp import LlamaCppAdapter  # noqa: E402
 
 MODEL = default_model_path()
 pytestmark = pytest.mark.real
-MANUAL = (Path(__file__).parent.parent / "src/edgekv/texts.py").read_text()[:2500]
+MANUAL = (Path(__file__).parents[2] / "src/edgekv/texts.py").read_text()[:2500]
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import real_stack
+from ..conftest import real_stack
 
 real_stack("the serve extra", "fastapi", "uvicorn", "httpx", "prometheus_client")
 

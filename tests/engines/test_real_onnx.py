@@ -11,7 +11,7 @@ from edgekv.engines.base import FragmentSpec
 from edgekv.engines.layout import can_inject, convert_fragment
 from edgekv.texts import MANUAL
 
-from .conftest import real_stack
+from ..conftest import real_stack
 
 real_stack("onnx engine", "onnxruntime", "transformers")
 

@@ -10,7 +10,7 @@ from edgekv.chat import render_chat
 from edgekv.semantic.embedder import minilm_dir
 from edgekv.texts import MANUAL, SYSTEM_PROMPT
 
-from .conftest import real_stack
+from ..conftest import real_stack
 
 real_stack("semantic stack", "onnxruntime", "usearch", check=minilm_dir)
 

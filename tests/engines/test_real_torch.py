@@ -10,7 +10,7 @@ from edgekv.engines.base import FragmentSpec
 from edgekv.engines.layout import can_inject, convert_fragment
 from edgekv.texts import MANUAL
 
-from .conftest import real_stack
+from ..conftest import real_stack
 
 real_stack("torch engine", "torch", "transformers", "gguf", "accelerate")
 

@@ -22,7 +22,7 @@ from edgekv.stream.hybrid import HybridLoader
 from edgekv.stream.netem import Shaper
 from edgekv.texts import MANUAL, SYSTEM_PROMPT
 
-from .conftest import real_stack, require_real
+from ..conftest import real_stack, require_real
 from .streamkit import TamperProxy
 
 real_stack("streaming stack", "llama_cpp", "cryptography", "zstandard",

@@ -15,7 +15,7 @@ from edgekv import CacheConfig, EdgeKV, UnsupportedLayout, open_store
 from edgekv.engines.base import FragmentSpec
 from edgekv.engines.models import default_model_path
 
-from .conftest import real_stack
+from ..conftest import real_stack
 
 real_stack("real engine", "llama_cpp", check=default_model_path)
 
@@ -24,7 +24,7 @@ from edgekv.engines.llamacpp import LlamaCppAdapter  # noqa: E402
 MODEL = default_model_path()
 
 pytestmark = pytest.mark.real
-CONTEXT = (Path(__file__).parent.parent / "src/edgekv/texts.py").read_text()
+CONTEXT = (Path(__file__).parents[2] / "src/edgekv/texts.py").read_text()
 
 
 @pytest.fixture(scope="module")
