@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))  # run from a checkout without installing
 
 from edgekv.config import default_cache_dir  # noqa: E402
+from edgekv.serve.runner import stop_process  # noqa: E402
 from edgekv.texts import MANUAL, QUESTIONS, SYSTEM_PROMPT  # noqa: E402
 
 
@@ -91,12 +92,7 @@ def main() -> int:
               "; see GET /metrics for the server's counters.")
         return 0
     finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from edgekv.engines.models import default_model_path
+from edgekv.serve.runner import stop_process
 from edgekv.texts import MANUAL, SYSTEM_PROMPT
 
 from ..conftest import real_stack
@@ -50,12 +51,7 @@ def server(tmp_path_factory):
             time.sleep(0.2)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
         proc.stdout.close()  # type: ignore[union-attr]
         log.close()
 

@@ -21,7 +21,6 @@ drift hits all alike. Mid-run every cache-on server is restarted: what it costs 
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import statistics
 import subprocess
@@ -98,13 +97,10 @@ class Server:
                           f"see {self.log}")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        from ..serve.runner import stop_process  # edgekv serve's extra is needed here anyway
+
+        if self.proc is not None:
+            stop_process(self.proc, grace_s=30)
         self.proc = None
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import socket
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -22,7 +23,7 @@ from .app import ServeOptions, create_app
 if TYPE_CHECKING:
     import uvicorn
 
-__all__ = ["bind", "load_edgekv", "run", "uvicorn_server"]
+__all__ = ["bind", "load_edgekv", "run", "stop_process", "uvicorn_server"]
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,19 @@ def run(load: Callable[[], EdgeKV], *, model_id: str, options: ServeOptions,
             raise e
         raise EngineError(f"the model could not be loaded: {e}") from e
     return 0
+
+
+def stop_process(proc: subprocess.Popen[Any], grace_s: float = 20.0) -> None:
+    """Stop a server process: SIGTERM (uvicorn finishes what is in flight), then SIGKILL
+    after `grace_s`; always reaped, so no zombie outlives the caller."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _loopback(host: str) -> bool:
