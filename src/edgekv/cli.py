@@ -124,6 +124,10 @@ def cmd_cache(args: argparse.Namespace) -> int:
     return 0
 
 
+# benchmarks whose module in bench/ parses its own options from the shared `bench` flags
+PLUGGED_BENCHES = ("faults", "fuzz", "rag")
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench.report import write_bench_report
 
@@ -139,6 +143,13 @@ def _run_bench(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     def progress(i: int, n: int) -> None:
         print(f"\r  step {i}/{n}", end="" if i < n else "\n", file=sys.stderr, flush=True)
 
+    if args.name in PLUGGED_BENCHES:
+        # each of these modules owns its options: run_cli(args) -> (result, table)
+        import importlib
+
+        mod = importlib.import_module(f".bench.{args.name}", __package__)
+        res, text = mod.run_cli(args)
+        return res, text
     if args.name == "serve":
         import tempfile
 
@@ -332,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks (write JSON)")
     b.add_argument("name", choices=["reuse", "lookup", "seed", "stream", "engines", "codec",
-                                    "serve"])
+                                    "serve", *PLUGGED_BENCHES])
     b.add_argument("--servers", help="serve: comma-separated servers (default: all; the cache-"
                    "off references always run)")
     b.add_argument("--llama-server", help="serve: llama.cpp's llama-server binary "
@@ -354,6 +365,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--modes", help="seed: comma-separated modes to run (default: all; the "
                    "plain reference and nocache always run)")
     b.add_argument("--json", help="write the result here")
+    b.add_argument("--inputs", type=int, help="fuzz: inputs per target (default 100000)")
+    b.add_argument("--targets", help="fuzz/faults: comma-separated targets or faults "
+                   "(default: all)")
+    b.add_argument("--duration", type=float, help="faults: seconds per timed fault (concurrent "
+                   "processes, load)")
+    b.add_argument("--kills", type=int, help="faults: kill -9 loop length (default 50)")
+    b.add_argument("--budgets", help="rag: recompute budgets, comma-separated")
     b.add_argument("--runs", type=int, default=5)
     b.add_argument("--context-tokens", type=int, default=512)
     b.add_argument("--max-tokens", type=int, help="tokens to generate (default 16; chat: 48)")
