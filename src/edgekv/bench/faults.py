@@ -1,0 +1,440 @@
+"""`edgekv bench faults`: the fault matrix, one row per fault, measured on real processes.
+
+Each fault is a function `(workdir, options) -> row` (options: `model`, `duration`, `kills`,
+`seed`, `requests`, `max_tokens`, `n_ctx`); a row holds `fault`, `runs`, `requests`,
+`wrong_outputs`, `lost_requests`, `lost_entries`, `recovery_s`, and `how` the fault was made.
+Every output is compared with the same prompt's cold (no-cache) output, computed in the same
+run by the same engine (`cold_outputs`). The processes under test are real `edgekv` processes
+(the CLI, `edgekv serve`, and this module's `worker`, a benchmark-like loop over the public
+API) on real cache directories; faults are made with the kernel where it can be (kill -9, a
+size-limited tmpfs, an unprivileged user), never by mocking the store.
+
+The helpers below (`fault_prompts`, `cold_outputs`, `new_cache_dir`, `start_worker`,
+`read_events`, `edgekv_cmd`, `child_env`, `readable_entries`, `check_store`, `make_row`) are
+public so that other fault modules (`faults_redis`) build their rows the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import logging
+import os
+import random
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from ..texts import MANUAL, QUESTIONS, SYSTEM_PROMPT
+
+__all__ = [
+    "FAULTS", "Fault", "all_faults", "check_store", "child_env", "cold_outputs", "edgekv_cmd",
+    "fault_prompts", "make_row", "new_cache_dir", "read_events", "readable_entries",
+    "run_cli", "run_faults", "start_worker", "faults_table",
+]
+
+log = logging.getLogger(__name__)
+
+Fault = Callable[[Path, dict[str, Any]], dict[str, Any]]
+
+NOBODY = 65534  # the unprivileged user a root harness runs read-only / no-permission children as
+DEFAULTS: dict[str, Any] = {"model": None, "duration": 120.0, "kills": 50, "seed": 0,
+                            "requests": 12, "max_tokens": 12, "n_ctx": 2048}
+
+
+# -- shared helpers (public: faults_redis uses them) -------------------------------------------
+
+def fault_prompts(n: int = 12, seed: int = 0) -> list[str]:
+    """`n` prompts of 150-420 tokens that share prefixes (a system prompt and a manual cut at a
+    few lengths, then a question), so that warm requests reuse whole and partial chains."""
+    rng = random.Random(seed)
+    cuts = (600, 1100, 1500)
+    out = []
+    for i in range(n):
+        cut = cuts[i % len(cuts)]
+        q = QUESTIONS[(i // len(cuts) + rng.randrange(len(QUESTIONS))) % len(QUESTIONS)]
+        out.append(f"{SYSTEM_PROMPT}\n\n{MANUAL[:cut]}\n\nQuestion: {q}\nAnswer:")
+    return list(dict.fromkeys(out))  # distinct, in order
+
+
+def edgekv_cmd(*args: str) -> list[str]:
+    """The command line of an `edgekv` child process (this interpreter, `-m edgekv`)."""
+    return [sys.executable, "-m", "edgekv", *args]
+
+
+def child_env(cache_dir: Path | None = None, **extra: str) -> dict[str, str]:
+    """The environment of a child: offline, the cache directory, plus `EDGEKV_*` overrides."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    if cache_dir is not None:
+        env["EDGEKV_CACHE_DIR"] = str(cache_dir)
+    env.update(extra)
+    return env
+
+
+_TEMPLATE_PARTS = ("fingerprints", "probes", "models")
+
+
+def template_dir() -> Path:
+    """Where the per-engine records (model fingerprint memo, batch-invariance probe, exported
+    MiniLM) are computed once and copied into every fault's cache directory: without it each
+    fresh directory would spend ~50 s probing the engine before its first request."""
+    env = os.environ.get("EDGEKV_FAULTS_TEMPLATE")
+    d = Path(env) if env else Path(tempfile.gettempdir()) / f"edgekv-faults-template-{os.getuid()}"
+    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return d
+
+
+def new_cache_dir(path: Path, *, semantic: bool = False) -> Path:
+    """A fresh cache directory at `path` holding copies of the template's engine records."""
+    path.mkdir(parents=True, exist_ok=True)
+    tpl = template_dir()
+    if semantic:
+        _reference(None, 2048, semantic=True)  # exports MiniLM into the template once
+    for part in _TEMPLATE_PARTS:
+        if (tpl / part).is_dir() and not (path / part).exists():
+            shutil.copytree(tpl / part, path / part)
+    return path
+
+
+_REFS: dict[tuple[Any, ...], Any] = {}
+_COLD: dict[tuple[Any, ...], list[int]] = {}
+
+
+def _reference(model: str | None, n_ctx: int, *, semantic: bool = False) -> Any:
+    """The in-process engine that computes cold outputs (one per model and context)."""
+    from .. import open_llamacpp
+    from ..config import CacheConfig
+
+    key = (model, n_ctx, semantic)
+    if key not in _REFS:
+        cfg = CacheConfig.from_env(cache_dir=template_dir())
+        _REFS[key] = open_llamacpp(model, cfg, n_ctx=n_ctx, semantic=semantic)
+    return _REFS[key]
+
+
+def cold_outputs(prompts: Sequence[str], opts: dict[str, Any]) -> list[list[int]]:
+    """Each prompt's cold answer (token ids): the real engine, no lookup, nothing stored,
+    greedy, `opts["max_tokens"]` tokens. Memoised per (model, context, prompt, length)."""
+    o = {**DEFAULTS, **opts}
+    kv = _reference(o["model"], o["n_ctx"])
+    out = []
+    for p in prompts:
+        key = (o["model"], o["n_ctx"], p, o["max_tokens"])
+        if key not in _COLD:
+            r = kv.generate(p, max_tokens=o["max_tokens"], use_cache=False, store=False)
+            _COLD[key] = list(r.tokens)
+        out.append(_COLD[key])
+    return out
+
+
+def cold_texts(prompts: Sequence[str], opts: dict[str, Any]) -> list[str]:
+    """The cold answers as text (what `edgekv serve` returns)."""
+    kv = _reference({**DEFAULTS, **opts}["model"], {**DEFAULTS, **opts}["n_ctx"])
+    return [kv.adapter.detokenize(t) for t in cold_outputs(prompts, opts)]
+
+
+def write_prompts(path: Path, prompts: Sequence[str]) -> Path:
+    path.write_text(json.dumps(list(prompts)))
+    return path
+
+
+def demote() -> None:
+    """`preexec_fn` that runs a child as the unprivileged user `nobody` (for a root harness,
+    whose writes no file mode stops)."""
+    os.setgroups([])
+    os.setgid(NOBODY)
+    os.setuid(NOBODY)
+
+
+def start_worker(cache_dir: Path, prompts_file: Path, opts: dict[str, Any], *,
+                 order: str = "seq", count: int = 0, until: float = 0.0, seed: int = 0,
+                 semantic: bool = False, env: dict[str, str] | None = None,
+                 preexec: Callable[[], None] | None = None, verbose: bool = False,
+                 stderr: IO[bytes] | int | None = None) -> subprocess.Popen[bytes]:
+    """Start this module's `worker`: an `edgekv` benchmark-like loop over the public API on
+    `cache_dir`, answering the prompts in `prompts_file` (a JSON list) in `order` ("seq" or
+    "random"), `count` of them (0: until the epoch time `until`, or forever). It prints one JSON
+    event a line: `open` (seconds to open the cache), `answer` (prompt index, token ids,
+    seconds since start, store errors counted so far, the store's fragment files), `done`."""
+    o = {**DEFAULTS, **opts}
+    cmd = [sys.executable, "-m", "edgekv.bench.faults", "worker", "--cache-dir", str(cache_dir),
+           "--prompts", str(prompts_file), "--order", order, "--count", str(count),
+           "--until", str(until), "--seed", str(seed), "--max-tokens", str(o["max_tokens"]),
+           "--n-ctx", str(o["n_ctx"])]
+    if o["model"]:
+        cmd += ["--model", str(o["model"])]
+    if semantic:
+        cmd.append("--semantic")
+    if verbose:
+        cmd.append("--verbose")
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr,
+                            env=env or child_env(cache_dir), preexec_fn=preexec)
+
+
+def read_events(stream: Iterable[bytes], sink: list[dict[str, Any]] | None = None,
+                ) -> list[dict[str, Any]]:
+    """The worker's JSON events from its stdout, in order (lines that are not JSON, e.g. a
+    line cut by kill -9, are skipped)."""
+    out = sink if sink is not None else []
+    for line in stream:
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(ev, dict):
+            out.append(ev)
+    return out
+
+
+def fragment_files(store_dir: Path) -> dict[str, Path]:
+    """The store's fragment files by key (only complete ones: temp names are skipped)."""
+    return {p.stem: p for p in (store_dir / "fragments").glob("*/*.ekv")}
+
+
+def readable_entries(store_dir: Path, keys: Iterable[str] | None = None) -> set[str]:
+    """The keys (of `keys`, default all) whose fragment file exists and decodes with a valid
+    checksum, read straight from the files (no store is opened, so nothing is repaired)."""
+    from ..errors import CorruptEntry
+    from ..serial import decode_fragment
+
+    files = fragment_files(store_dir)
+    ok = set()
+    for key in (files if keys is None else keys):
+        path = files.get(key)
+        if path is None:
+            continue
+        try:
+            decode_fragment(path.read_bytes())
+        except (CorruptEntry, OSError):
+            continue
+        ok.add(key)
+    return ok
+
+
+def check_store(store_dir: Path) -> dict[str, int]:
+    """The disk store as a crash left it, before any process repairs it: fragment files,
+    index rows, rows without a file, files without a row, damaged files, leftover temp
+    files, and whether the index opens at all (`index_ok`)."""
+    files = fragment_files(store_dir)
+    temps = [p for p in (store_dir / "fragments").glob("*/.*.tmp")]
+    rows: set[str] = set()
+    index_ok = 1
+    db_path = store_dir / "index.sqlite3"
+    if db_path.exists():
+        try:
+            db = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, timeout=30)
+            try:
+                rows = {r[0] for r in db.execute("SELECT key FROM entries_v2")}
+                if db.execute("PRAGMA quick_check").fetchone()[0] != "ok":
+                    index_ok = 0
+            finally:
+                db.close()
+        except sqlite3.Error:
+            index_ok = 0
+    damaged = len(files) - len(readable_entries(store_dir, files))
+    return {"files": len(files), "rows": len(rows), "rows_without_file": len(rows - set(files)),
+            "files_without_row": len(set(files) - rows), "damaged": damaged,
+            "temp_files": len(temps), "index_ok": index_ok}
+
+
+def make_row(fault: str, *, runs: int, requests: int, wrong_outputs: int, lost_requests: int,
+             lost_entries: int, recovery_s: float | None, how: str, **extra: Any) -> dict[str, Any]:
+    """One row of the matrix with the contract keys first."""
+    return {"fault": fault, "runs": runs, "requests": requests, "wrong_outputs": wrong_outputs,
+            "lost_requests": lost_requests, "lost_entries": lost_entries,
+            "recovery_s": None if recovery_s is None else round(recovery_s, 3), "how": how,
+            **extra}
+
+
+def answers(events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [e for e in events if e.get("event") == "answer"]
+
+
+def count_wrong(events: Sequence[dict[str, Any]], cold: Sequence[Sequence[int]]) -> int:
+    """Answers whose token ids differ from their prompt's cold run."""
+    return sum(list(e["tokens"]) != list(cold[e["p"]]) for e in answers(events))
+
+
+def acked(events: Sequence[dict[str, Any]]) -> set[str]:
+    """Every fragment file a worker saw complete in the store after one of its answers."""
+    out: set[str] = set()
+    for e in answers(events):
+        out.update(e.get("files", ()))
+    return out
+
+
+def run_worker(cache_dir: Path, prompts_file: Path, opts: dict[str, Any], *,
+               timeout: float = 1800.0, **kw: Any) -> tuple[int, list[dict[str, Any]], str]:
+    """Run a worker to its end; (exit status, events, stderr text)."""
+    with tempfile.TemporaryFile() as err:
+        proc = start_worker(cache_dir, prompts_file, opts, stderr=err, **kw)
+        assert proc.stdout is not None
+        events = read_events(proc.stdout)
+        try:
+            rc = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+        err.seek(0)
+        return rc, events, err.read().decode(errors="replace")
+
+
+def first_answer_s(events: Sequence[dict[str, Any]]) -> float | None:
+    """Seconds from a worker's start to its first answer (open + first request)."""
+    a = answers(events)
+    return float(a[0]["s"]) if a else None
+
+
+# -- the worker (a child process) --------------------------------------------------------------
+
+def _worker(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="edgekv.bench.faults worker")
+    p.add_argument("--cache-dir", required=True)
+    p.add_argument("--prompts", required=True)
+    p.add_argument("--order", choices=["seq", "random"], default="seq")
+    p.add_argument("--count", type=int, default=0)
+    p.add_argument("--until", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-tokens", type=int, default=DEFAULTS["max_tokens"])
+    p.add_argument("--n-ctx", type=int, default=DEFAULTS["n_ctx"])
+    p.add_argument("--model")
+    p.add_argument("--semantic", action="store_true")
+    p.add_argument("--verbose", action="store_true")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if a.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    t0 = time.perf_counter()
+    from .. import open_llamacpp
+    from ..config import CacheConfig
+
+    prompts = json.loads(Path(a.prompts).read_text())
+    kv = open_llamacpp(a.model, CacheConfig.from_env(cache_dir=Path(a.cache_dir)),
+                       n_ctx=a.n_ctx, semantic=a.semantic)
+    store_dir = Path(a.cache_dir) / "store"
+
+    def emit(**ev: Any) -> None:
+        sys.stdout.write(json.dumps(ev) + "\n")
+        sys.stdout.flush()
+
+    def errors() -> int:
+        tiers = getattr(kv.store, "tier_stats", None)
+        stats = tiers() if tiers is not None else [kv.store.stats()]
+        return sum(getattr(s, "errors", 0) for s in stats)
+
+    emit(event="open", s=time.perf_counter() - t0)
+    rng = random.Random(a.seed)
+    i = 0
+    while (a.count == 0 or i < a.count) and (a.until == 0 or time.time() < a.until):
+        idx = rng.randrange(len(prompts)) if a.order == "random" else i % len(prompts)
+        r = kv.generate(prompts[idx], max_tokens=a.max_tokens)
+        emit(event="answer", i=i, p=idx, tokens=list(r.tokens), cached=r.cached_tokens,
+             s=time.perf_counter() - t0, errors=errors(),
+             files=sorted(fragment_files(store_dir)) if store_dir.is_dir() else [])
+        i += 1
+    n_errors = errors()
+    kv.close()
+    kv.adapter.close()
+    emit(event="done", n=i, errors=n_errors)
+    return 0
+
+
+# -- the matrix ------------------------------------------------------------------------------
+
+def all_faults() -> dict[str, Fault]:
+    """This module's faults, then those of `faults_redis` where that module exists."""
+    from . import faults_local
+
+    out: dict[str, Fault] = dict(faults_local.FAULTS)
+    if importlib.util.find_spec("edgekv.bench.faults_redis") is not None:
+        mod = importlib.import_module("edgekv.bench.faults_redis")
+        out.update(getattr(mod, "FAULTS", {}))
+    return out
+
+
+FAULTS = all_faults  # the registry is built on call: faults_redis may be added later
+
+
+def run_faults(names: Sequence[str] | None, opts: dict[str, Any], work: Path,
+               progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """Run the named faults (default: all), each in its own work directory; a fault whose
+    harness fails yields a row that says so (`error`) instead of stopping the matrix."""
+    registry = all_faults()
+    unknown = [n for n in names or () if n not in registry]
+    if unknown:
+        from ..errors import ConfigError
+
+        raise ConfigError(f"unknown fault(s) {', '.join(unknown)}; choose from "
+                          f"{', '.join(registry)}")
+    rows = []
+    for name in names or list(registry):
+        if progress is not None:
+            progress(name)
+        d = work / name
+        d.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        try:
+            row = registry[name](d, {**DEFAULTS, **opts})
+        except Exception as e:  # noqa: BLE001 - one broken harness must not hide the others
+            log.exception("fault %s: the harness failed", name)
+            row = make_row(name, runs=0, requests=0, wrong_outputs=0, lost_requests=0,
+                           lost_entries=0, recovery_s=None, how="harness failed",
+                           error=f"{type(e).__name__}: {e}")
+        row["wall_s"] = round(time.perf_counter() - t0, 1)
+        rows.append(row)
+    return rows
+
+
+def faults_table(res: dict[str, Any]) -> str:
+    from .report import table
+
+    rows = [[r["fault"], r["runs"], r["requests"], r["wrong_outputs"], r["lost_requests"],
+             r["lost_entries"], "-" if r["recovery_s"] is None else r["recovery_s"],
+             r.get("errors_logged", "-"), r.get("error") or r.get("notes", "")]
+            for r in res["rows"]]
+    return table(["fault", "runs", "requests", "wrong outputs", "lost requests",
+                  "lost entries", "recovery s", "errors logged", "notes"], rows)
+
+
+def run_cli(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    """`edgekv bench faults`: the shared bench flags to options, the matrix, its table."""
+    from .report import environment
+
+    opts = dict(DEFAULTS)
+    for k in ("model", "duration", "kills", "requests", "max_tokens", "n_ctx"):
+        v = getattr(args, k, None)
+        if v is not None:
+            opts[k] = v
+    opts["seed"] = getattr(args, "seed", 0) or 0
+    names = [n for n in (args.targets or "").split(",") if n] or None
+    root = Path(args.cache_dir) if getattr(args, "cache_dir", None) else None
+    work = Path(tempfile.mkdtemp(prefix="edgekv-faults-", dir=root))
+    try:
+        rows = run_faults(names, opts, work, progress=lambda n: print(
+            f"  fault {n} ...", file=sys.stderr, flush=True))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    res = {"rows": rows, "options": opts, "environment": environment(),
+           "uid": os.getuid()}
+    return res, faults_table(res)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["worker"]:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        return _worker(argv[1:])
+    print("usage: python -m edgekv.bench.faults worker ...", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
