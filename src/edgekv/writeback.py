@@ -21,6 +21,7 @@ from .errors import EngineError, FragmentError, StoreError
 from .fragment import MAX_SPAN, MIN_SPAN, next_expiry
 from .keys import chain_of, next_key
 from .lookup import ChunkReader, PrefixMatch, Router
+from .store.disk import make_private
 
 if TYPE_CHECKING:
     from .semantic.router import Route
@@ -39,6 +40,9 @@ class Writeback:
         self.config, self.router, self.token_exact = config, router, token_exact
         self.fingerprint = reader.fingerprint
         self._unsaved = 0  # index additions not yet written to disk
+        # the cache directory holds prompts' KV and token ids: private to the user (0700)
+        if config.cache_dir.is_dir():
+            make_private(config.cache_dir)
 
     def store_new(self, tokens: Sequence[int], cached: int, keys: Sequence[str],
                   route: Route | None = None, root: str = "") -> tuple[int, int]:
@@ -80,7 +84,8 @@ class Writeback:
                 self.store.put(self.reader.store_key(spec.chain_key, spec.layer_start,
                                                      frag.layer_end), frag)
             except StoreError as e:  # e.g. disk full: the answer is already computed
-                log.warning("could not store fragment %s (%s)", spec.chain_key[:12], e)
+                # the store has counted it (stats().errors) and logged the first of its kind
+                log.debug("could not store fragment %s (%s)", spec.chain_key[:12], e)
                 return 0, 0
         if route is not None and self.router is not None:
             deep_key = next(s.chain_key for s, f in zip(specs, frags) if f.token_end == deepest)
@@ -105,7 +110,10 @@ class Writeback:
             for skey, frag in zip(chunk.store_keys, chunk.fragments):
                 hits = frag.hit_count + 1
                 expires = next_expiry(hits, now, cfg.ttl_s, cfg.promoted_ttl_s, cfg.promote_hits)
-                self.store.touch(skey, hits, expires, now)
+                try:
+                    self.store.touch(skey, hits, expires, now)
+                except StoreError as e:  # counted and logged by the store; the hit stands
+                    log.debug("could not record a hit on %s (%s)", skey[:12], e)
 
     def warm_chain(self, chain_key: str) -> int:
         """Bring the chunks of a chain (back to its start) into the RAM tier; return how many

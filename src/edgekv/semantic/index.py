@@ -3,17 +3,22 @@
 Entries are keyed by fragment store keys. The index is saved next to the disk store (index
 file + a JSON map of labels to keys, both written atomically) and rebuilt from the store's
 fragments whenever it is missing, unreadable or disagrees with its map: the fragments, which
-carry their `embedding`, are the truth.
+carry their `embedding`, are the truth. Several processes may save the same index: the pair of
+files is replaced under an exclusive lock (and read under a shared one), each written to a
+temp name, fsynced and renamed, so a reader never pairs one process's index with another's
+map, and a process killed mid-save leaves the previous pair (or a mismatch that is rebuilt).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -118,16 +123,36 @@ class VectorIndex:
             self._keys = {}
 
     def save(self) -> None:
+        """Write the index and its map (see the module doc); an I/O failure (disk full,
+        read-only) is logged and leaves the previous files: the index is rebuilt from the
+        fragments when it disagrees with them."""
         if self.path is None:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp_idx = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        tmp_map = self._map_path().with_name(f".{self._map_path().name}.{os.getpid()}.tmp")
-        with self._lock:
-            self._index.save(str(tmp_idx))
-            tmp_map.write_text(json.dumps({str(k): v for k, v in self._keys.items()}))
-        os.replace(tmp_idx, self.path)
-        os.replace(tmp_map, self._map_path())
+        tag = f"{os.getpid()}.{threading.get_ident()}"
+        tmp_idx = self.path.with_name(f".{self.path.name}.{tag}.tmp")
+        tmp_map = self._map_path().with_name(f".{self._map_path().name}.{tag}.tmp")
+        try:
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            with self._lock:
+                self._index.save(str(tmp_idx))
+                data = json.dumps({str(k): v for k, v in self._keys.items()}).encode()
+            fd = os.open(tmp_map, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with open(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp_idx, 0o600)
+            with open(tmp_idx, "rb") as f:
+                os.fsync(f.fileno())
+            with self._file_lock(fcntl.LOCK_EX):
+                os.replace(tmp_idx, self.path)
+                os.replace(tmp_map, self._map_path())
+        except OSError as e:
+            log.warning("semantic index %s not saved (%s); it is rebuilt from the store when "
+                        "it disagrees with it", self.path, e)
+            for tmp in (tmp_idx, tmp_map):
+                with contextlib.suppress(OSError):
+                    tmp.unlink(missing_ok=True)
 
     # -- private helpers -----------------------------------------------------------------
 
@@ -135,14 +160,32 @@ class VectorIndex:
         assert self.path is not None
         return self.path.with_suffix(".keys.json")
 
+    @contextlib.contextmanager
+    def _file_lock(self, kind: int) -> Iterator[None]:
+        """A cross-process lock on the index's pair of files (a no-op where the lock file
+        cannot be opened, e.g. a read-only directory: nobody can replace them there)."""
+        assert self.path is not None
+        try:
+            fd = os.open(self.path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:
+            yield
+            return
+        try:
+            fcntl.flock(fd, kind)
+            yield
+        finally:
+            os.close(fd)
+
     def _load(self) -> bool:
         assert self.path is not None
         if not self.path.is_file() or not self._map_path().is_file():
             return False
         try:
-            keys = {int(k): str(v) for k, v in json.loads(self._map_path().read_text()).items()}
             index = self._new()
-            index.load(str(self.path))
+            with self._file_lock(fcntl.LOCK_SH):
+                keys = {int(k): str(v)
+                        for k, v in json.loads(self._map_path().read_text()).items()}
+                index.load(str(self.path))
             if len(index) != len(keys) or any(k not in index for k in keys):
                 raise ValueError(f"index holds {len(index)} vectors, its map {len(keys)} keys")
         except Exception as e:  # noqa: BLE001 - any damage means rebuild

@@ -4,6 +4,16 @@ Why two parts: the tensors are written once and read whole (a plain file, writte
 name, fsynced and renamed, so a crash never leaves half an entry under a real name), while hit
 counts, expiry and last access change on every hit (a SQLite row, transactional, shared safely
 by several processes). The files are the truth: a missing or damaged index is rebuilt from them.
+
+Several processes share one directory: files appear only by atomic rename, the index is SQLite
+in WAL mode with a busy timeout, and a process that opens the store reconciles the index with
+the files (rows whose file is gone are dropped, files without a row are adopted after their
+checksum is verified, temp files of dead writers are removed), so a process killed at any
+moment leaves nothing that a later one serves wrongly. The directory is private to its user
+(0700, files 0600). When the disk fails (full, read-only, no permission) the store keeps
+working as well as it can: reads that fail are misses, writes that fail raise `StoreError`
+(the caller computes locally), each failure is counted in `stats().errors` and logged once
+per kind; an index that cannot be opened for writing is read-only or held in memory.
 """
 
 from __future__ import annotations
@@ -24,9 +34,29 @@ from ..fragment import KVFragment
 from ..serial import decode_fragment, encode_fragment
 from .base import FragmentStore, StoreStats, check_key, decode_or_miss, live_or_miss
 
-__all__ = ["DiskStore"]
+__all__ = ["DiskStore", "make_private"]
 
 log = logging.getLogger(__name__)
+
+_TEMP_MAX_AGE_S = 3600.0  # a temp file older than this is a dead writer's, whatever its pid
+
+
+def make_private(path: Path) -> None:
+    """Create `path` (and missing parents) as 0700 directories; tighten it to 0700 if it exists
+    and belongs to this user. What it holds (KV of prompts, their token ids) is the user's."""
+    path = Path(path)
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    for p in reversed(missing):
+        try:
+            p.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
+    try:
+        st = path.stat()
+        if st.st_uid == os.getuid() and st.st_mode & 0o077:
+            os.chmod(path, 0o700)
+    except OSError:
+        pass  # not ours, or not reachable: the store reports what fails when it is used
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS entries_v2 (
@@ -43,13 +73,16 @@ class DiskStore(FragmentStore):
         self.root = Path(root)
         self.capacity_bytes = capacity_bytes
         self._dir = self.root / "fragments"
-        try:
-            self._dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise StoreError(f"cannot create the disk store at {self.root}: {e}") from e
         self._lock = threading.Lock()
         self._stats = StoreStats(tier="disk", capacity_bytes=capacity_bytes)
         self._listeners: list[Callable[[str], None]] = []
+        self._logged: set[tuple[str, int]] = set()
+        self.mode = "rw"  # "ro": the index is read-only; "memory": no usable index on disk
+        try:
+            make_private(self.root)
+            make_private(self._dir)
+        except OSError as e:
+            self._fail("create", e)
         self._db = self._open_index()
 
     # -- public API ----------------------------------------------------------------------
@@ -63,7 +96,7 @@ class DiskStore(FragmentStore):
             self._stats.misses += 1
             return None
         except OSError as e:
-            log.warning("disk store: cannot read %s (%s); treated as a miss", path, e)
+            self._fail("read", e)
             self._stats.misses += 1
             return None
         frag = decode_or_miss(blob, key, self._stats, self.delete)
@@ -79,8 +112,8 @@ class DiskStore(FragmentStore):
                     self._upsert(key, len(blob), frag, now)
                 self._db.execute("UPDATE entries_v2 SET last_access=? WHERE key=?", (now, key))
                 self._db.commit()
-        except sqlite3.Error as e:  # e.g. locked by another process for too long
-            log.warning("disk store: index unavailable (%s); using the entry's own lifecycle", e)
+        except sqlite3.Error as e:  # locked for too long, read-only, disk full
+            self._fail("index", e)
             row = (frag.hit_count, frag.expires_at)
         frag = frag.with_lifecycle(hit_count=int(row[0]), expires_at=float(row[1]))
         return live_or_miss(frag, key, now, self._stats, self.delete)
@@ -93,28 +126,43 @@ class DiskStore(FragmentStore):
             return
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(tmp, "wb") as f:
+            if not path.parent.is_dir():
+                path.parent.mkdir(mode=0o700, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with open(fd, "wb") as f:
                 f.write(blob)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
         except OSError as e:
-            tmp.unlink(missing_ok=True)
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
+            self._fail("write", e)
             raise StoreError(f"cannot write {path}: {e}. Check free space and permissions.") from e
-        with self._lock:
-            self._upsert(key, len(blob), fragment, time.time())
-            self._db.commit()
+        try:
+            with self._lock:
+                self._upsert(key, len(blob), fragment, time.time())
+                self._db.commit()
+        except sqlite3.Error as e:
+            # the file is complete and verifiable: the next process that opens the store adopts
+            # it, and `get` adopts it now (it reads files, not rows)
+            self._fail("index", e)
+            return
         self._enforce_capacity()
 
     def touch(self, key: str, hit_count: int, expires_at: float, now: float | None = None) -> None:
         now = time.time() if now is None else now
-        with self._lock:
-            self._db.execute(
-                "UPDATE entries_v2 SET hit_count=?, expires_at=?, last_access=? WHERE key=?",
-                (hit_count, expires_at, now, key),
-            )
-            self._db.commit()
+        try:
+            with self._lock:
+                self._db.execute(
+                    "UPDATE entries_v2 SET hit_count=?, expires_at=?, last_access=? WHERE key=?",
+                    (hit_count, expires_at, now, key),
+                )
+                self._db.commit()
+        except sqlite3.Error as e:  # a hit is still a hit; its promotion waits
+            self._fail("index", e)
 
     def contains(self, key: str) -> bool:
         return self._path(check_key(key)).exists()
@@ -126,7 +174,11 @@ class DiskStore(FragmentStore):
     def delete(self, key: str) -> bool:
         path = self._path(check_key(key))
         existed = path.exists()
-        path.unlink(missing_ok=True)
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as e:
+            self._fail("delete", e)
+            return False
         self._forget(key)
         for fn in self._listeners:
             fn(key)
@@ -181,43 +233,107 @@ class DiskStore(FragmentStore):
         with self._lock:
             self._db.close()
 
+    # -- failures ------------------------------------------------------------------------
+
+    def _fail(self, op: str, e: BaseException) -> None:
+        """Count an I/O failure; log it once per (operation, errno): a full disk must not
+        flood the log with one line per request."""
+        self._stats.errors += 1
+        code = getattr(e, "errno", None) or getattr(e, "sqlite_errorcode", None) or 0
+        if (op, code) in self._logged:
+            log.debug("disk store: %s failed again (%s)", op, e)
+            return
+        self._logged.add((op, code))
+        log.warning("disk store %s: %s failed (%s); requests are answered by local compute "
+                    "and this is counted in the store's stats (errors). Check free space and "
+                    "permissions.", self.root, op, e)
+
     # -- private helpers -----------------------------------------------------------------
 
     def _path(self, key: str) -> Path:
         return self._dir / key[:2] / f"{key}.ekv"
 
     def _open_index(self) -> sqlite3.Connection:
+        """The index, in the best mode the directory allows: read-write (reconciled with the
+        files), else read-only, else an in-memory copy rebuilt from the files."""
         path = self.root / "index.sqlite3"
         try:
-            db = sqlite3.connect(path, timeout=30, check_same_thread=False)
+            return self._open_rw(path)
+        except sqlite3.DatabaseError as e:
+            if isinstance(e, sqlite3.OperationalError) and not _writable(self.root):
+                self._fail("open", e)
+            else:
+                log.warning("disk store: index %s is damaged (%s); rebuilding it from the files",
+                            path, e)
+                try:
+                    for suffix in ("", "-wal", "-shm"):
+                        Path(f"{path}{suffix}").unlink(missing_ok=True)
+                    return self._open_rw(path)
+                except (sqlite3.DatabaseError, OSError) as e2:
+                    self._fail("open", e2)
+        try:  # read-only directory: read the index as it is
+            db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30,
+                                 check_same_thread=False)
+            db.execute("SELECT COUNT(*) FROM entries_v2").fetchone()
+            self.mode = "ro"
+            return db
+        except sqlite3.DatabaseError:
+            pass
+        db = sqlite3.connect(":memory:", check_same_thread=False)
+        db.executescript(_SCHEMA)
+        self.mode = "memory"
+        self._rebuild(db, drop_damaged=False)
+        return db
+
+    def _open_rw(self, path: Path) -> sqlite3.Connection:
+        db = sqlite3.connect(path, timeout=30, check_same_thread=False)
+        try:
+            db.execute("PRAGMA busy_timeout=30000")
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: no fsync per access update
             db.executescript(_SCHEMA)
-            n_rows = db.execute("SELECT COUNT(*) FROM entries_v2").fetchone()[0]
             db.commit()
-            if n_rows == 0 and any(self._dir.glob("*/*.ekv")):
-                self._rebuild(db)  # files without an index (index deleted or older schema)
-            return db
-        except sqlite3.DatabaseError as e:
-            log.warning("disk store: index %s is damaged (%s); rebuilding it from the files",
-                        path, e)
-            for suffix in ("", "-wal", "-shm"):
-                Path(f"{path}{suffix}").unlink(missing_ok=True)
-            db = sqlite3.connect(path, timeout=30, check_same_thread=False)
-            db.executescript(_SCHEMA)
-            self._rebuild(db)
-            return db
+            _private_file(path)
+            self._reconcile(db)
+        except BaseException:
+            db.close()
+            raise
+        return db
 
-    def _rebuild(self, db: sqlite3.Connection) -> None:
+    def _reconcile(self, db: sqlite3.Connection) -> None:
+        """Bring the index in line with the files after a crash or another process's: drop rows
+        whose file is gone, adopt verified files that have no row (a writer killed between
+        its rename and its commit), remove temp files of dead writers."""
+        try:
+            files = {p.stem: p for p in self._dir.glob("*/*.ekv")}
+        except OSError:
+            return
+        rows = {r[0] for r in db.execute("SELECT key FROM entries_v2")}
+        gone = [k for k in rows if k not in files]
+        # a row written by a live process between our listing and now has its file: recheck
+        gone = [k for k in gone if not self._path(k).exists()]
+        db.executemany("DELETE FROM entries_v2 WHERE key=?", [(k,) for k in gone])
+        self._rebuild(db, [p for k, p in files.items() if k not in rows])
+        _remove_dead_temps(self._dir)
+        if gone:
+            log.info("disk store: dropped %d index rows whose files are gone", len(gone))
+
+    def _rebuild(self, db: sqlite3.Connection, paths: list[Path] | None = None,
+                 drop_damaged: bool = True) -> None:
         now = time.time()
-        for path in self._dir.glob("*/*.ekv"):
+        for path in self._dir.glob("*/*.ekv") if paths is None else paths:
             try:
                 frag = decode_fragment(path.read_bytes())
                 db.execute("INSERT OR REPLACE INTO entries_v2 VALUES (?,?,?,?,?,?,?,?)",
                            self._row(path.stem, path.stat().st_size, frag, now))
             except (CorruptEntry, OSError) as e:
+                if not drop_damaged:
+                    continue
                 log.warning("disk store: dropping damaged %s during rebuild (%s)", path, e)
-                path.unlink(missing_ok=True)
+                try:
+                    path.unlink(missing_ok=True)
+                except OSError:
+                    pass
         db.commit()
 
     @staticmethod
@@ -230,9 +346,12 @@ class DiskStore(FragmentStore):
                          self._row(key, nbytes, frag, now))
 
     def _forget(self, key: str) -> None:
-        with self._lock:
-            self._db.execute("DELETE FROM entries_v2 WHERE key=?", (key,))
-            self._db.commit()
+        try:
+            with self._lock:
+                self._db.execute("DELETE FROM entries_v2 WHERE key=?", (key,))
+                self._db.commit()
+        except sqlite3.Error as e:  # the next open drops the row (its file is gone)
+            self._fail("index", e)
 
     def _enforce_capacity(self) -> None:
         with self._lock:
@@ -251,3 +370,42 @@ class DiskStore(FragmentStore):
             self.delete(key)
             total -= nbytes
             self._stats.evictions += 1
+
+
+def _writable(path: Path) -> bool:
+    return os.access(path, os.W_OK | os.X_OK)
+
+
+def _private_file(path: Path) -> None:
+    try:
+        if path.stat().st_mode & 0o077 and path.stat().st_uid == os.getuid():
+            os.chmod(path, 0o600)
+    except OSError:
+        pass
+
+
+def _remove_dead_temps(root: Path) -> None:
+    """Remove `.NAME.PID.TID.tmp` files whose writer is dead (or that are over an hour old):
+    a process killed mid-write leaves one, never under a real entry's name."""
+    now = time.time()
+    for tmp in root.glob("*/.*.tmp"):
+        try:
+            pid = int(tmp.name.rsplit(".", 3)[-3])
+        except (ValueError, IndexError):
+            pid = 0
+        try:
+            alive = pid > 0 and _alive(pid)
+            if not alive or now - tmp.stat().st_mtime > _TEMP_MAX_AGE_S:
+                tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
