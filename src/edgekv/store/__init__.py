@@ -16,10 +16,11 @@ __all__ = [
 
 def open_store_url(url: str, capacity_bytes: int) -> FragmentStore:
     """A single tier chosen by URL: a path or `file://PATH` (disk), `redis://HOST:PORT/DB`,
-    or `memory://` (RAM, for tests)."""
+    `redis-cluster://HOST:PORT,HOST:PORT,...` (a Redis Cluster: any reachable node finds the
+    rest), or `memory://` (RAM, for tests)."""
     from pathlib import Path
 
-    if url.startswith("redis://") or url.startswith("rediss://"):
+    if url.startswith(("redis://", "rediss://", "redis-cluster://")):
         from .redis import RedisStore
 
         return RedisStore(url)

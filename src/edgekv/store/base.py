@@ -40,6 +40,9 @@ class StoreStats:
     evictions: int = 0
     expired: int = 0
     corrupt: int = 0
+    # calls that failed in the backend (a server down, a full Redis, an I/O error): each was
+    # a miss or an unstored fragment, the request computed locally; logged once per outage
+    errors: int = 0
 
 
 @runtime_checkable

@@ -1,10 +1,25 @@
-"""Redis tier: fragments shared by several KV-server processes (or devices on one LAN box).
+"""Redis tier: fragments shared by several KV-server processes (or devices on one LAN box), on
+one Redis (`redis://HOST:PORT/DB`) or a Redis Cluster (`redis-cluster://HOST:PORT,HOST:PORT`).
 
 Each fragment is one Redis string holding the self-verifying serial blob (so a damaged value
 is a logged miss, as on disk), expiring through Redis' own TTL (PEXPIREAT); lifecycle fields
-live in a small hash beside it, and a set per parent key lists successors with their tokens
-for the strict successor walk. Capacity is Redis' `maxmemory` with an eviction policy, set
-on the server; `stats()` reports what Redis holds under this store's prefix.
+live in a small hash beside it, and a hash per parent chunk lists its successors with their
+tokens for the radix step. Capacity is Redis' `maxmemory` with an eviction policy, set on the
+server; `stats()` reports what Redis holds under this store's prefix.
+
+Keys carry a Redis Cluster hash tag, the chunk's chain key: `edgekv:frag:{<chain>}.L0-15`,
+`edgekv:meta:{<chain>}.L0-15`, and `edgekv:children:{<chain>}` for the successors of that
+chunk. So every layer group of a chunk, its lifecycle hash and the list of what follows it
+share one slot, and a put is one MULTI/EXEC in the chunk's slot (fragment and metadata land
+together or not at all, also when a full Redis refuses writes) plus one HSET in the parent's
+slot. On a single Redis the tags are plain characters.
+
+Redis is a cache under every request, never a dependency of it: a failed call is a miss (or a
+`StoreError` from `put`, which the writeback logs and drops), the request computes locally.
+The first failure of an outage is logged once, the rest are counted in `stats().errors`
+until a call succeeds again; while a server (a cluster node) is unreachable, calls to it are
+not even tried for `retry_s`, so a hung server costs one timeout per `retry_s`, not one per
+call.
 """
 
 from __future__ import annotations
@@ -13,6 +28,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -22,41 +38,150 @@ from ..fragment import KVFragment
 from ..serial import encode_fragment
 from .base import FragmentStore, StoreStats, check_key, decode_or_miss, live_or_miss
 
-__all__ = ["RedisStore"]
+__all__ = ["RedisStore", "cluster_nodes"]
 
 log = logging.getLogger(__name__)
+
+CLUSTER_SCHEME = "redis-cluster://"
+
+
+def cluster_nodes(url: str) -> list[tuple[str, int]]:
+    """`redis-cluster://host:port,host:port,...` as (host, port) pairs (any one node is
+    enough to find the others; list several so that one down node does not stop a start)."""
+    if not url.startswith(CLUSTER_SCHEME):
+        raise StoreError(f"{url!r} is not a {CLUSTER_SCHEME}HOST:PORT,HOST:PORT,... URL")
+    out = []
+    for part in url[len(CLUSTER_SCHEME):].split("/")[0].split(","):
+        host, _, port = part.strip().rpartition(":")
+        if not host or not port.isdigit():
+            raise StoreError(f"cluster node {part!r} in {url!r} is not HOST:PORT")
+        out.append((host.strip("[]"), int(port)))
+    return out
 
 
 class RedisStore(FragmentStore):
     name = "redis"
-    def __init__(self, url: str, *, prefix: str = "edgekv", timeout_s: float = 2.0) -> None:
+
+    def __init__(self, url: str, *, prefix: str = "edgekv", timeout_s: float = 2.0,
+                 retry_s: float = 1.0) -> None:
         try:
             import redis
+            from redis.backoff import NoBackoff
+            from redis.retry import Retry
         except ImportError as e:  # pragma: no cover
             raise StoreError("the redis client is missing: `pip install redis`") from e
-        self._r: Any = redis.Redis.from_url(url, socket_timeout=timeout_s,
-                                            socket_connect_timeout=timeout_s)
-        self._errors = (redis.RedisError, OSError)
+        # one quick retry (a pooled connection that died with a restarted server reconnects),
+        # no backoff: a request never sleeps on the cache
+        opts: dict[str, Any] = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                    retry=Retry(NoBackoff(), 1))
+        self.cluster = url.startswith(CLUSTER_SCHEME)
+        if self.cluster:
+            from redis.cluster import ClusterNode, RedisCluster
+
+            nodes = [ClusterNode(h, p) for h, p in cluster_nodes(url)]
+            make: Callable[[], Any] = lambda: RedisCluster(  # noqa: E731
+                startup_nodes=nodes, require_full_coverage=False, **opts)
+        else:
+            make = lambda: redis.Redis.from_url(url, **opts)  # noqa: E731
+        from redis.exceptions import ClusterDownError, RedisClusterException
+
+        self._errors = (redis.RedisError, OSError, RedisClusterException)
+        self._down_errors = (redis.ConnectionError, redis.TimeoutError, OSError,
+                             ClusterDownError, RedisClusterException)
         try:
-            self._r.ping()
+            self._r: Any = make()
+            if not self.cluster:  # a cluster client read the slot map from a node already
+                self._r.ping()  # (a cluster PING asks every node: one down would refuse)
         except self._errors as e:
-            raise StoreError(f"cannot reach Redis at {url}: {e}. Is redis-server running?") from e
-        self.url, self.prefix = url, prefix
+            raise StoreError(f"cannot reach Redis at {url}: {e}. Is redis-server running"
+                             f"{' (every node of the cluster)' if self.cluster else ''}?") from e
+        self.url, self.prefix, self.retry_s = url, prefix, retry_s
         self._stats = StoreStats(tier="redis")
         self._listeners: list[Callable[[str], None]] = []
+        self._failing: set[tuple[str, str]] = set()  # (server, "unreachable" | "write")
+        self._skip_until: dict[str, float] = {}  # server -> monotonic time of the next try
+        self._last_size = (0, 0)
+
+    # -- keys ------------------------------------------------------------------------------
 
     def _k(self, kind: str, key: str) -> str:
-        return f"{self.prefix}:{kind}:{key}"
+        """The Redis key of `kind` for store key `key`, tagged by its chain key."""
+        chain, dot, rest = key.partition(".")
+        return f"{self.prefix}:{kind}:{{{chain}}}{dot}{rest}"
+
+    def _store_key(self, redis_key: bytes, kind: str = "frag") -> str:
+        return redis_key.decode()[len(self.prefix) + len(kind) + 2:].replace("{", "", 1) \
+            .replace("}", "", 1)
+
+    def slot(self, key: str) -> int:
+        """The cluster slot of `key`'s entries (its chain key's hash tag)."""
+        from redis.crc import key_slot
+
+        return int(key_slot(self._k("frag", key).encode()))
+
+    # -- failures --------------------------------------------------------------------------
+
+    def server_of(self, key: str | None) -> str:
+        """The server (`host:port` of the cluster node) that holds `key`'s entries; on a single
+        Redis, the URL. Failures are logged and skipped per server."""
+        if not self.cluster or key is None:
+            return self.url
+        try:
+            return str(self._r.nodes_manager.get_node_from_slot(self.slot(key)).name)
+        except Exception:  # noqa: BLE001 - slot map in flux: the cluster as a whole
+            return self.url
+
+    def _skipping(self, server: str) -> bool:
+        return time.monotonic() < self._skip_until.get(server, 0.0)
+
+    def _failed(self, op: str, key: str | None, server: str, e: Exception) -> None:
+        self._stats.errors += 1
+        kind = "unreachable" if isinstance(e, self._down_errors) else "write"
+        if kind == "unreachable":
+            self._skip_until[server] = time.monotonic() + self.retry_s
+        if (server, kind) not in self._failing:
+            self._failing.add((server, kind))
+            log.warning("redis store: %s %s on %s failed (%s: %s); requests compute locally, "
+                        "further errors are counted in stats().errors, not logged, until %s",
+                        op, (key or "")[:16], server, type(e).__name__, e,
+                        "it is reachable again" if kind == "unreachable" else "a write succeeds")
+
+    def _ok(self, server: str, write: bool = False) -> None:
+        for kind in ("unreachable", "write") if write else ("unreachable",):
+            if (server, kind) in self._failing:
+                self._failing.discard((server, kind))
+                log.info("redis store: %s works again (%s; %d errors so far)", server,
+                         "writes accepted" if kind == "write" else "reachable",
+                         self._stats.errors)
+
+    def _call(self, op: str, key: str | None, fn: Callable[[], Any], default: Any) -> Any:
+        """`fn()`, or `default` if Redis fails (logged once, counted) or is being skipped."""
+        server = self.server_of(key)
+        if self._skipping(server):
+            self._stats.errors += 1
+            return default
+        try:
+            out = fn()
+        except self._errors as e:
+            self._failed(op, key, server, e)
+            return default
+        self._ok(server)
+        return out
+
+    # -- the protocol ----------------------------------------------------------------------
 
     def get(self, key: str, now: float | None = None) -> KVFragment | None:
         check_key(key)
-        try:
-            blob, meta = self._r.get(self._k("frag", key)), self._r.hgetall(self._k("meta", key))
-        except self._errors as e:
-            log.warning("redis store: get %s failed (%s); treated as a miss", key, e)
-            self._stats.misses += 1
-            return None
-        if blob is None:
+        missing = object()
+
+        def read() -> tuple[Any, Any]:
+            p = self._r.pipeline(transaction=False)
+            p.get(self._k("frag", key))
+            p.hgetall(self._k("meta", key))
+            return tuple(p.execute())
+
+        blob, meta = self._call("get", key, read, (missing, None))
+        if blob is missing or blob is None:
             self._stats.misses += 1
             return None
         frag = decode_or_miss(blob, key, self._stats, self.delete)
@@ -71,54 +196,59 @@ class RedisStore(FragmentStore):
         return live_or_miss(frag, key, now, self._stats, self.delete)
 
     def put(self, key: str, fragment: KVFragment) -> None:
+        """One transaction in the chunk's slot (fragment + lifecycle), then the parent's
+        successor list; a failure raises `StoreError` (logged once here, counted)."""
         check_key(key)
+        server = self.server_of(key)
+        if self._skipping(server):
+            self._stats.errors += 1
+            raise StoreError(f"Redis {server} is unreachable; {key[:16]} not written")
         blob = encode_fragment(fragment)
-        p = self._r.pipeline()
+        p = self._r.pipeline(transaction=True)
         p.set(self._k("frag", key), blob)
         p.hset(self._k("meta", key), mapping={"hit_count": fragment.hit_count,
                                                "expires_at": fragment.expires_at})
-        p.hset(self._k("children", fragment.parent_key or "_root"), key,
-               fragment.token_ids.astype("<i4").tobytes())
         if fragment.expires_at > 0:
             ms = int(fragment.expires_at * 1000)
             p.pexpireat(self._k("frag", key), ms)
             p.pexpireat(self._k("meta", key), ms)
+        parent = fragment.parent_key or "_root"
         try:
             p.execute()
+            self._ok(server, write=True)
+            server = self.server_of(parent)
+            self._r.hset(self._k("children", parent), key,
+                         fragment.token_ids.astype("<i4").tobytes())
         except self._errors as e:
-            raise StoreError(f"cannot write {key} to Redis: {e}") from e
+            self._failed("put", key, server, e)
+            raise StoreError(f"cannot write {key[:16]} to Redis: {e}") from e
 
     def touch(self, key: str, hit_count: int, expires_at: float, now: float | None = None) -> None:
-        try:
-            p = self._r.pipeline()
-            p.hset(self._k("meta", key), mapping={"hit_count": hit_count, "expires_at": expires_at})
+        def write() -> None:
+            p = self._r.pipeline(transaction=True)
+            p.hset(self._k("meta", key), mapping={"hit_count": hit_count,
+                                                   "expires_at": expires_at})
             p.pexpireat(self._k("frag", key), int(expires_at * 1000))
             p.pexpireat(self._k("meta", key), int(expires_at * 1000))
             p.execute()
-        except self._errors as e:
-            log.warning("redis store: touch %s failed (%s)", key, e)
+
+        self._call("touch", key, write, None)
 
     def contains(self, key: str) -> bool:
-        try:
-            return bool(self._r.exists(self._k("frag", check_key(key))))
-        except self._errors:
-            return False
+        check_key(key)
+        return bool(self._call("contains", key,
+                               lambda: self._r.exists(self._k("frag", key)), False))
 
     def children(self, parent: str) -> list[tuple[str, np.ndarray]]:
-        try:
-            rows = self._r.hgetall(self._k("children", parent or "_root"))
-        except self._errors:
-            return []
+        hkey = self._k("children", parent or "_root")
+        rows = self._call("children", parent or "_root", lambda: self._r.hgetall(hkey), {})
         out = []
         for k, tok in rows.items():
             key = k.decode()
-            if self.contains(key):  # entries that expired in Redis drop out here
+            if self.contains(key):  # entries that expired or were evicted drop out here
                 out.append((key, np.frombuffer(tok, dtype="<i4")))
             else:
-                try:
-                    self._r.hdel(self._k("children", parent or "_root"), k)
-                except self._errors:
-                    pass
+                self._call("children", parent or "_root", partial(self._r.hdel, hkey, k), None)
         return out
 
     def add_remove_listener(self, fn: Callable[[str], None]) -> None:
@@ -126,16 +256,23 @@ class RedisStore(FragmentStore):
 
     def delete(self, key: str) -> bool:
         try:
-            n = self._r.delete(self._k("frag", key), self._k("meta", key))
+            n = self._r.delete(self._k("frag", key), self._k("meta", key))  # one slot
         except self._errors as e:
-            raise StoreError(f"cannot delete {key} from Redis: {e}") from e
+            self._failed("delete", key, self.server_of(key), e)
+            raise StoreError(f"cannot delete {key[:16]} from Redis: {e}") from e
         for fn in self._listeners:
             fn(key)
         return bool(n)
 
+    def _scan(self, kind: str) -> list[bytes]:
+        try:
+            return list(self._r.scan_iter(match=f"{self.prefix}:{kind}:*", count=1000))
+        except self._errors as e:
+            raise StoreError(f"cannot list the keys in Redis {self.url}: {e}") from e
+
     def keys(self) -> list[str]:
-        pre = self._k("frag", "")
-        return sorted(k.decode()[len(pre):] for k in self._r.scan_iter(match=pre + "*"))
+        """Every fragment key (all nodes of a cluster); `StoreError` if a server is down."""
+        return sorted(self._store_key(k) for k in self._scan("frag"))
 
     def sweep(self, now: float | None = None) -> int:
         """Redis expires entries itself; this removes what is past its expiry but still held
@@ -143,7 +280,7 @@ class RedisStore(FragmentStore):
         now = time.time() if now is None else now
         n = 0
         for key in self.keys():
-            meta = self._r.hgetall(self._k("meta", key))
+            meta = self._call("sweep", key, partial(self._r.hgetall, self._k("meta", key)), {})
             if meta and 0 < float(meta[b"expires_at"]) <= now:
                 self.delete(key)
                 n += 1
@@ -154,14 +291,23 @@ class RedisStore(FragmentStore):
         keys = self.keys()
         for key in keys:
             self.delete(key)
-        for k in self._r.scan_iter(match=self._k("children", "*")):
+        for k in self._scan("children"):
             self._r.delete(k)
         return len(keys)
 
     def stats(self) -> StoreStats:
-        keys = self.keys()
-        size = sum(int(self._r.strlen(self._k("frag", k))) for k in keys)
-        return dataclasses.replace(self._stats, entries=len(keys), bytes=size)
+        """Counters, and what Redis holds under the prefix (the last figures seen while a
+        server is down)."""
+        try:
+            keys = self.keys()
+            p = self._r.pipeline(transaction=False)
+            for k in keys:
+                p.strlen(self._k("frag", k))
+            self._last_size = (len(keys), sum(int(n) for n in p.execute()))
+        except (StoreError, *self._errors):
+            pass  # a report, not a request: the failure is neither counted nor logged
+        return dataclasses.replace(self._stats, entries=self._last_size[0],
+                                   bytes=self._last_size[1])
 
     def close(self) -> None:
         self._r.close()
