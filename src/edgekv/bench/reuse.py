@@ -1,16 +1,25 @@
 """`edgekv bench reuse`: cold prefill vs warm reuse, side by side in one run.
 
 A context of exactly `context_tokens` tokens (the built-in manual, cut to length) is followed by
-a short question. The cache is filled once; then each run asks a question three ways, in
+a short question. The cache is filled once; then each run asks a question four ways, in
 rotating order so drift of the machine hits all alike: cold (no cache), warm from RAM, warm from
-disk (RAM tier emptied first, as in a fresh process). The KV-reuse claim is only counted if
-the warm logits and greedy tokens equal the cold ones.
+disk with the files in the page cache (RAM tier emptied first, as in a fresh process), and from
+disk with a cold page cache (the store's files dropped from it with `posix_fadvise(DONTNEED)`,
+checked with `mincore`: what a fresh boot or a long idle pays). The KV-reuse claim is only
+counted if the warm logits and greedy tokens equal the cold ones. `sweep` repeats the
+measurement for context lengths that are not multiples of the chunk size, so the reuse that
+ends inside a chunk is measured too.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
+import mmap
+import os
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +31,12 @@ from ..store import open_store
 from ..texts import MANUAL, QUESTIONS, SYSTEM_PROMPT
 from .report import environment, median_ms, table
 
-__all__ = ["run_reuse_bench"]
+__all__ = ["drop_page_cache", "run_reuse_bench"]
 
 log = logging.getLogger(__name__)
+
+MODES = ("cold", "warm", "disk", "disk_cold")
+SWEEP = (300, 517, 777, 1000)  # none a multiple of the 128-token chunk
 
 
 def build_context(kv: EdgeKV, context_tokens: int) -> list[int]:
@@ -35,10 +47,100 @@ def build_context(kv: EdgeKV, context_tokens: int) -> list[int]:
     return ids[:context_tokens]
 
 
+def _resident_pages(path: Path) -> tuple[int, int]:
+    """(pages of `path` in the page cache, pages in all), by `mincore` on a mapping."""
+    size = path.stat().st_size
+    if size == 0:
+        return 0, 0
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    n = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    vec = (ctypes.c_ubyte * n)()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            return -1, n
+        try:
+            if libc.mincore(addr, size, vec) != 0:
+                return -1, n
+        finally:
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+    return sum(v & 1 for v in vec), n
+
+
+def drop_page_cache(root: Path) -> dict[str, int]:
+    """Evict every file under `root` from the page cache (`posix_fadvise(DONTNEED)`: no root
+    needed; clean pages only, so files are synced first) and count the pages still resident
+    afterwards, so a cold read is known to be cold."""
+    files = [p for p in Path(root).rglob("*") if p.is_file()]
+    for p in files:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    resident = total = 0
+    for p in files:
+        r, t = _resident_pages(p)
+        resident, total = resident + max(r, 0), total + t
+    return {"files": len(files), "pages": total, "pages_resident_after_drop": resident}
+
+
+def _measure(kv: EdgeKV, cache_dir: Path, context: list[int], questions: list[list[int]],
+             runs: int, max_tokens: int, progress: Any) -> dict[str, Any]:
+    kv.generate(context + questions[-1], max_tokens=1)  # fills the cache (and warms up)
+    got: dict[str, list[GenerationResult]] = {m: [] for m in MODES}
+    diffs, equal, dropped = [], [], []
+    for r in range(runs):
+        prompt = context + questions[r % len(questions)]
+        this: dict[str, GenerationResult] = {}
+        for mode in np.roll(MODES, r):
+            if mode in ("disk", "disk_cold"):
+                kv.store.clear_tier("ram")  # type: ignore[attr-defined]
+            if mode == "disk_cold":
+                dropped.append(drop_page_cache(cache_dir))
+            this[mode] = kv.generate(prompt, max_tokens=max_tokens, use_cache=mode != "cold",
+                                     store=False)
+        for m in MODES:
+            got[m].append(this[m])
+        for m in MODES[1:]:
+            diffs.append(float(np.max(np.abs(this[m].first_logits - this["cold"].first_logits))))
+            equal.append(this[m].tokens == this["cold"].tokens)
+        if progress:
+            progress(r + 1, runs)
+    cold = float(np.median([g.ttft_s for g in got["cold"]]))
+    return {
+        "context_tokens": len(context),
+        "chunk_remainder": len(context) % kv.config.chunk_size,
+        **{f"{m}_ttft_ms": median_ms([g.ttft_s for g in got[m]]) for m in MODES},
+        **{f"speedup_{m}": round(cold / float(np.median([g.ttft_s for g in got[m]])), 2)
+           for m in MODES[1:]},
+        "cached_tokens_warm": got["warm"][0].cached_tokens,
+        "prompt_tokens": got["warm"][0].prompt_tokens,
+        "logits_max_abs_diff": max(diffs),
+        "greedy_tokens_equal": all(equal),
+        "page_cache_drop": dropped[-1] if dropped else None,
+        "breakdown_ms": {m: {"lookup": median_ms([g.lookup_s for g in got[m]]),
+                             "inject": median_ms([g.inject_s for g in got[m]]),
+                             "prefill": median_ms([g.prefill_s for g in got[m]])}
+                         for m in MODES},
+        "ttft_ms": {m: [round(g.ttft_s * 1000, 3) for g in got[m]] for m in MODES},
+        "_results": got,
+    }
+
+
 def run_reuse_bench(*, model: str | None = None, runs: int = 5, context_tokens: int = 512,
                     max_tokens: int = 16, chunk_size: int = 128, n_ctx: int = 2048,
                     cache_dir: Path | None = None, progress: Any = None,
-                    engine: str = "llamacpp") -> dict[str, Any]:
+                    engine: str = "llamacpp", sweep: Sequence[int] = SWEEP) -> dict[str, Any]:
     from ..engines import open_adapter
 
     tmp = None
@@ -50,54 +152,47 @@ def run_reuse_bench(*, model: str | None = None, runs: int = 5, context_tokens: 
     store = open_store(cfg)
     kv = EdgeKV(adapter, store, cfg)
     try:
-        context = build_context(kv, context_tokens)
         questions = [adapter.tokenize(f"\n\nQuestion: {q}\nAnswer:", add_bos=False)
                      for q in QUESTIONS]
-        kv.generate(context + questions[-1], max_tokens=1)  # warm-up + fills the cache
-        cold: list[GenerationResult] = []
-        warm: list[GenerationResult] = []
-        disk: list[GenerationResult] = []
-        diffs, equal = [], []
-        for r in range(runs):
-            prompt = context + questions[r % len(questions)]
-            got: dict[str, GenerationResult] = {}
-            for mode in np.roll(["cold", "warm", "disk"], r):
-                if mode == "disk":
-                    store.clear_tier("ram")
-                got[mode] = kv.generate(prompt, max_tokens=max_tokens, use_cache=mode != "cold",
-                                        store=False)
-            cold.append(got["cold"])
-            warm.append(got["warm"])
-            disk.append(got["disk"])
-            for w in (got["warm"], got["disk"]):
-                diffs.append(float(np.max(np.abs(w.first_logits - got["cold"].first_logits))))
-                equal.append(w.tokens == got["cold"].tokens)
-            if progress:
-                progress(r + 1, runs)
+        points = []
+        for n in [context_tokens, *(s for s in sweep if s != context_tokens)]:
+            if n + max(map(len, questions)) + max_tokens > n_ctx:
+                log.warning("context %d does not fit n_ctx %d; skipped", n, n_ctx)
+                continue
+            points.append(_measure(kv, cache_dir, build_context(kv, n), questions, runs,
+                                   max_tokens, progress))
+        main = points[0]
+        got = main.pop("_results")
+        for p in points[1:]:
+            p.pop("_results")
         result = {
             "bench": "reuse",
-            "context_tokens": len(context),
+            "context_tokens": main["context_tokens"],
             "question_tokens": [len(questions[r % len(questions)]) for r in range(runs)],
             "runs": runs,
             "max_tokens": max_tokens,
             "chunk_size": chunk_size,
-            "cold_ttft_ms": median_ms([g.ttft_s for g in cold]),
-            "warm_ttft_ms": median_ms([g.ttft_s for g in warm]),
-            "warm_disk_ttft_ms": median_ms([g.ttft_s for g in disk]),
-            "speedup": round(_median_s(cold) / _median_s(warm), 2),
-            "speedup_disk": round(_median_s(cold) / _median_s(disk), 2),
-            "logits_max_abs_diff": max(diffs),
-            "greedy_tokens_equal": all(equal),
-            "cached_tokens_warm": warm[0].cached_tokens,
-            "computed_tokens_warm": [g.computed_tokens for g in warm],
-            "breakdown_ms": {
-                m: {"lookup": median_ms([g.lookup_s for g in gs]),
-                    "inject": median_ms([g.inject_s for g in gs]),
-                    "prefill": median_ms([g.prefill_s for g in gs])}
-                for m, gs in (("cold", cold), ("warm", warm), ("warm_disk", disk))
-            },
-            "ttft_ms": {m: [round(g.ttft_s * 1000, 3) for g in gs]
-                        for m, gs in (("cold", cold), ("warm", warm), ("warm_disk", disk))},
+            "reuse_granularity": kv.granularity,
+            "cold_ttft_ms": main["cold_ttft_ms"],
+            "warm_ttft_ms": main["warm_ttft_ms"],
+            "warm_disk_ttft_ms": main["disk_ttft_ms"],
+            "warm_disk_cold_ttft_ms": main["disk_cold_ttft_ms"],
+            "speedup": main["speedup_warm"],
+            "speedup_disk": main["speedup_disk"],
+            "speedup_disk_cold": main["speedup_disk_cold"],
+            "logits_max_abs_diff": max(p["logits_max_abs_diff"] for p in points),
+            "greedy_tokens_equal": all(p["greedy_tokens_equal"] for p in points),
+            "cached_tokens_warm": main["cached_tokens_warm"],
+            "computed_tokens_warm": [g.computed_tokens for g in got["warm"]],
+            "page_cache_drop": main["page_cache_drop"],
+            "breakdown_ms": {"cold": main["breakdown_ms"]["cold"],
+                             "warm": main["breakdown_ms"]["warm"],
+                             "warm_disk": main["breakdown_ms"]["disk"],
+                             "warm_disk_cold": main["breakdown_ms"]["disk_cold"]},
+            "ttft_ms": {"cold": main["ttft_ms"]["cold"], "warm": main["ttft_ms"]["warm"],
+                        "warm_disk": main["ttft_ms"]["disk"],
+                        "warm_disk_cold": main["ttft_ms"]["disk_cold"]},
+            "sweep": points,
             "model": str(adapter.model_path.name),  # type: ignore[attr-defined]
             "engine": adapter.fingerprint.engine,
             "environment": environment(),
@@ -110,19 +205,28 @@ def run_reuse_bench(*, model: str | None = None, runs: int = 5, context_tokens: 
             tmp.cleanup()
 
 
-def _median_s(runs: list[GenerationResult]) -> float:
-    return float(np.median([g.ttft_s for g in runs]))
-
-
 def reuse_table(res: dict[str, Any]) -> str:
     rows = [
         ["cold (no cache)", res["cold_ttft_ms"], "1.00x", 0],
         ["warm (RAM tier)", res["warm_ttft_ms"], f"{res['speedup']:.2f}x",
          res["cached_tokens_warm"]],
-        ["warm (disk tier)", res["warm_disk_ttft_ms"], f"{res['speedup_disk']:.2f}x",
-         res["cached_tokens_warm"]],
+        ["warm (disk tier, page cache warm)", res["warm_disk_ttft_ms"],
+         f"{res['speedup_disk']:.2f}x", res["cached_tokens_warm"]],
+        ["warm (disk tier, page cache dropped)", res["warm_disk_cold_ttft_ms"],
+         f"{res['speedup_disk_cold']:.2f}x", res["cached_tokens_warm"]],
     ]
-    return table(["mode", "TTFT median ms", "speedup", "reused tokens"], rows) + (
+    out = table(["mode", "TTFT median ms", "speedup", "reused tokens"], rows) + (
         f"\ncontext {res['context_tokens']} tokens, {res['runs']} runs; logits max |diff| "
         f"{res['logits_max_abs_diff']}; greedy {res['max_tokens']} tokens equal: "
         f"{res['greedy_tokens_equal']}")
+    sweep = res.get("sweep", [])
+    if sweep:
+        out += "\n\n" + table(
+            ["context", "mod chunk", "reused/prompt", "cold ms", "RAM ms", "disk ms",
+             "disk cold-cache ms", "RAM x", "disk cold x", "equal"],
+            [[p["context_tokens"], p["chunk_remainder"],
+              f"{p['cached_tokens_warm']}/{p['prompt_tokens']}", p["cold_ttft_ms"],
+              p["warm_ttft_ms"], p["disk_ttft_ms"], p["disk_cold_ttft_ms"],
+              f"{p['speedup_warm']:.2f}x", f"{p['speedup_disk_cold']:.2f}x",
+              p["greedy_tokens_equal"]] for p in sweep])
+    return out

@@ -34,7 +34,7 @@ from typing import Any
 from ..errors import ConfigError
 from .workload import ChatHistory, chat_workload, render
 
-__all__ = ["SERVERS", "run_serve_bench"]
+__all__ = ["SERVERS", "Server", "free_port", "run_serve_bench", "server_command"]
 
 # name -> (system, cache on?, the cache-off run it is compared with)
 SERVERS: dict[str, tuple[str, bool, str]] = {
@@ -52,7 +52,7 @@ SERVERS: dict[str, tuple[str, bool, str]] = {
 REFERENCE = "llama_cpp_server_nocache"  # plain llama-cpp-python: what a user gets, no cache
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -104,7 +104,7 @@ class Server:
         self.proc = None
 
 
-def _commands(name: str, *, model: str, n_ctx: int, threads: int, root: Path,
+def server_command(name: str, *, model: str, n_ctx: int, threads: int, root: Path,
               llama_server: Path | None) -> tuple[list[str], str] | None:
     """The command line of server `name` (with `{port}`) and its health path; None where the
     server is not available (llama-server not built)."""
@@ -235,12 +235,12 @@ def run_serve_bench(*, model: str | None = None, requests: int = 40, users: int 
     restart_at = requests // 2 if restart_at is None else restart_at
     try:
         for name in names:
-            got = _commands(name, model=path, n_ctx=n_ctx, threads=threads, root=workdir,
+            got = server_command(name, model=path, n_ctx=n_ctx, threads=threads, root=workdir,
                             llama_server=llama_server)
             if got is None:
                 skipped.append(name)
                 continue
-            port = _free_port()
+            port = free_port()
             cmd = [c.replace("{port}", str(port)) for c in got[0]]
             procs[name] = Server(name, cmd, got[1], port, workdir / f"{name}.log")
             procs[name].start()

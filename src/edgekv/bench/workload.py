@@ -7,6 +7,15 @@ a unique prompt is one user intent, its 4 variants are rewordings. Requests draw
 intents with Zipf-like popularity (a few contexts and questions dominate, as in real usage)
 and variants uniformly, from a seeded RNG, so a run is reproducible.
 
+RAG: a short fixed instruction, then k (3-6) passages a retriever returned for the question,
+in the order it ranked them (which varies from request to request), then the question. The
+passages come from the deployments' documents cut into paragraphs; two or three are from the
+question's own document (popular paragraphs recur), the rest are distractors from others.
+
+Header: the deployment's system prompt behind a dynamic header (today's date, the user's name),
+as assistants that personalise their prompt write it: the shared part no longer starts the
+prompt, so a prefix cache shares it only between requests of the same user on the same day.
+
 Chat: a few users, each talking to one deployment (several users share one, so the long system
 prompt is shared across users too), each conversation growing turn by turn, the users' turns
 interleaved. A turn's prompt holds the model's own earlier answers, which exist only at run
@@ -16,6 +25,7 @@ answers in as the benchmark produces them.
 
 from __future__ import annotations
 
+import datetime
 import json
 import random
 from collections.abc import Sequence
@@ -25,10 +35,11 @@ from pathlib import Path
 from ..errors import ConfigError
 
 __all__ = ["CHAT_MAX_TOKENS", "WORKLOADS", "ChatHistory", "Request", "chat_workload",
-           "load_jsonl", "load_workload", "parse_workload", "render", "seed_workload",
-           "unique_prompts", "with_history"]
+           "header_workload", "load_jsonl", "load_workload", "parse_workload", "passages",
+           "rag_workload", "render", "seed_workload", "unique_prompts", "with_history"]
 
-WORKLOADS = ("seed", "chat")  # generated workloads, by name; anything else is a JSONL path
+# generated workloads, by name; anything else is a JSONL path
+WORKLOADS = ("seed", "chat", "rag", "header")
 DEFAULT_REQUESTS = 1000  # the seed's run length
 SEED_MAX_TOKENS = 16  # enough greedy tokens to compare outputs (fidelity)
 CHAT_MAX_TOKENS = 48  # answers long enough that the model's own words make up the history
@@ -70,6 +81,84 @@ def seed_workload(requests: int = 1000, *, seed: int = 0,
         v = rng.randrange(len(c.intents[i]))
         out.append(Request((("system", c.system), ("user", c.intents[i][v])), None, c.name,
                            f"{c.name}/{i}", max_tokens))
+    return out
+
+
+# -- RAG and dynamic headers -----------------------------------------------------------------
+
+RAG_INSTRUCTION = ("Answer the question using only the numbered passages. Quote the passage "
+                   "number you used. If the passages do not answer it, say so.")
+RAG_K = (3, 6)
+HEADER_USERS = ("Amara", "Bilal", "Chen Wei", "Dagny", "Esteban", "Fatima", "Goran", "Hiroko")
+
+
+def passages(min_chars: int = 120) -> list[tuple[str, str]]:
+    """(cluster name, paragraph) for every paragraph of every deployment's document after its
+    first (the persona); a short paragraph (a heading) is joined to the one after it."""
+    from .corpus import CLUSTERS
+
+    out = []
+    for c in CLUSTERS:
+        pending = ""
+        for para in [x.strip() for x in c.system.split("\n\n") if x.strip()][1:]:
+            pending = f"{pending}\n{para}" if pending else para
+            if len(pending) >= min_chars:
+                out.append((c.name, pending))
+                pending = ""
+        if pending:
+            out.append((c.name, pending))
+    return out
+
+
+def rag_workload(requests: int = 1000, *, seed: int = 0, max_tokens: int = SEED_MAX_TOKENS,
+                 k: tuple[int, int] = RAG_K) -> list[Request]:
+    """`requests` RAG questions: the seed's question popularity, k retrieved passages each."""
+    from .corpus import CLUSTERS
+
+    if requests < 1 or not 1 <= k[0] <= k[1]:
+        raise ConfigError(f"requests={requests} must be >= 1 and k={k} (low, high) >= 1")
+    rng = random.Random(seed)
+    pool = passages()
+    by_cluster: dict[str, list[str]] = {}
+    for name, text in pool:
+        by_cluster.setdefault(name, []).append(text)
+    clusters = list(CLUSTERS)
+    rng.shuffle(clusters)
+    cw = _zipf(len(clusters))
+    out = []
+    for _ in range(requests):
+        c = rng.choices(clusters, cw)[0]
+        i = rng.choices(range(len(c.intents)), _zipf(len(c.intents)))[0]
+        question = rng.choice(c.intents[i])
+        own = by_cluster[c.name]
+        n = rng.randint(*k)
+        relevant = rng.sample(own, min(len(own), rng.randint(2, 3), n))
+        others = [t for name, t in pool if name != c.name]
+        chosen = relevant + rng.sample(others, n - len(relevant))
+        rng.shuffle(chosen)  # the retriever's ranking differs from request to request
+        body = "\n\n".join(f"[{j + 1}] {t}" for j, t in enumerate(chosen))
+        out.append(Request((("system", RAG_INSTRUCTION),
+                            ("user", f"Passages:\n{body}\n\nQuestion: {question}")), None,
+                           c.name, f"{c.name}/{i}", max_tokens))
+    return out
+
+
+def header_workload(requests: int = 1000, *, seed: int = 0,
+                    max_tokens: int = SEED_MAX_TOKENS, days: int = 3) -> list[Request]:
+    """The seed workload's questions behind a dynamic header: the date moves forward over the
+    run (`days` days), each request comes from one of `HEADER_USERS`."""
+    base = seed_workload(requests, seed=seed, max_tokens=max_tokens)
+    rng = random.Random(seed + 1)
+    out = []
+    for n, r in enumerate(base):
+        assert r.messages is not None
+        day = 1 + n * days // len(base)
+        user = rng.choice(HEADER_USERS)
+        date = datetime.date(2026, 11, day)
+        header = (f"Today is {date:%A %Y-%m-%d}. You are talking to {user}; address them by "
+                  "name.\n\n")
+        (_, system), *rest = r.messages
+        out.append(replace(r, messages=(("system", header + system), *rest)))
     return out
 
 
@@ -205,7 +294,7 @@ def load_jsonl(path: str | Path, *, default_max_tokens: int = SEED_MAX_TOKENS) -
 
 
 def parse_workload(spec: str | None) -> str | Path:
-    """A workload name (`seed`, the default, or `chat`) or the path of a JSONL file.
+    """A workload name (`seed`, the default, `chat`, `rag`, `header`) or a JSONL file's path.
 
     Names win over files of the same name; write `./chat` for a file called `chat`.
     """
@@ -232,6 +321,11 @@ def load_workload(spec: str | None, *, requests: int | None = None, seed: int = 
         return "seed", seed_workload(n, seed=seed, max_tokens=max_tokens or SEED_MAX_TOKENS)
     if kind == "chat":
         return "chat", chat_workload(n, seed=seed, max_tokens=max_tokens or CHAT_MAX_TOKENS)
+    if kind == "rag":
+        return "rag", rag_workload(n, seed=seed, max_tokens=max_tokens or SEED_MAX_TOKENS)
+    if kind == "header":
+        return "header", header_workload(n, seed=seed,
+                                         max_tokens=max_tokens or SEED_MAX_TOKENS)
     reqs = load_jsonl(kind, default_max_tokens=max_tokens or SEED_MAX_TOKENS)
     return str(kind), reqs[:requests] if requests else reqs
 
