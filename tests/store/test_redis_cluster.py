@@ -12,7 +12,7 @@ import pytest
 from edgekv import StoreError
 from edgekv.bench import faults_redis
 from edgekv.store import open_store_url
-from edgekv.store.redis import RedisStore, cluster_nodes
+from edgekv.store.redis import RedisStore, cluster_nodes, redact
 
 from .. import redis_kit
 from ..conftest import make_fragment
@@ -46,6 +46,8 @@ def test_cluster_urls():
     for bad in ("redis://127.0.0.1:7000", "redis-cluster://127.0.0.1", "redis-cluster://:7000"):
         with pytest.raises(StoreError):
             cluster_nodes(bad)
+    assert redact("redis://user:s3cret@10.0.0.2:6379/0") == "redis://user:***@10.0.0.2:6379/0"
+    assert redact("redis://:s3cret@h:1/0") == "redis://:***@h:1/0"
 
 
 def test_unreachable_cluster_is_a_store_error(tmp_path):
@@ -122,3 +124,20 @@ def test_node_down_row_on_the_fake_engine(tmp_path):
     assert row["unavailable_entries"] == row["entries_on_stopped_node"]
     assert row["errors_logged"] == 1 and row["errors_counted"] > 1
     assert row["recovery_s"] is not None
+
+
+@pytest.mark.real
+def test_node_down_on_the_real_engine(tmp_path):
+    """SmolLM2 on llama.cpp over the cluster: a node killed mid-run, every answer still its
+    cold run's, only that node's entries unavailable while it is down."""
+    from edgekv.engines.models import default_model_path
+
+    from ..conftest import real_stack
+
+    redis_kit.need_redis()
+    real_stack("llama.cpp", "llama_cpp", check=default_model_path)
+    row = faults_redis.FAULTS["redis_cluster_node_down"](tmp_path, {
+        "requests": 3, "duration": 0.0, "max_tokens": 6})
+    assert row["wrong_outputs"] == 0 and row["lost_requests"] == 0
+    assert row["lost_entries"] == 0 and row["unavailable_entries"] > 0
+    assert row["errors_logged"] == 1

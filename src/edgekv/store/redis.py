@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import time
 from collections.abc import Callable
 from functools import partial
@@ -38,11 +39,17 @@ from ..fragment import KVFragment
 from ..serial import encode_fragment
 from .base import FragmentStore, StoreStats, check_key, decode_or_miss, live_or_miss
 
-__all__ = ["RedisStore", "cluster_nodes"]
+__all__ = ["RedisStore", "cluster_nodes", "redact"]
 
 log = logging.getLogger(__name__)
 
 CLUSTER_SCHEME = "redis-cluster://"
+
+
+def redact(url: str) -> str:
+    """`url` without a password (`redis://user:secret@host` -> `redis://user:***@host`): what
+    logs and errors may show."""
+    return re.sub(r"(//[^:/@]*:)[^@/]*@", r"\1***@", url)
 
 
 def cluster_nodes(url: str) -> list[tuple[str, int]]:
@@ -93,9 +100,10 @@ class RedisStore(FragmentStore):
             if not self.cluster:  # a cluster client read the slot map from a node already
                 self._r.ping()  # (a cluster PING asks every node: one down would refuse)
         except self._errors as e:
-            raise StoreError(f"cannot reach Redis at {url}: {e}. Is redis-server running"
+            raise StoreError(f"cannot reach Redis at {redact(url)}: {e}. Is redis-server running"
                              f"{' (every node of the cluster)' if self.cluster else ''}?") from e
         self.url, self.prefix, self.retry_s = url, prefix, retry_s
+        self.where = redact(url)  # the single server's name in logs (no password)
         self._stats = StoreStats(tier="redis")
         self._listeners: list[Callable[[str], None]] = []
         self._failing: set[tuple[str, str]] = set()  # (server, "unreachable" | "write")
@@ -123,13 +131,13 @@ class RedisStore(FragmentStore):
 
     def server_of(self, key: str | None) -> str:
         """The server (`host:port` of the cluster node) that holds `key`'s entries; on a single
-        Redis, the URL. Failures are logged and skipped per server."""
+        Redis, its URL without a password. Failures are logged and skipped per server."""
         if not self.cluster or key is None:
-            return self.url
+            return self.where
         try:
             return str(self._r.nodes_manager.get_node_from_slot(self.slot(key)).name)
         except Exception:  # noqa: BLE001 - slot map in flux: the cluster as a whole
-            return self.url
+            return self.where
 
     def _skipping(self, server: str) -> bool:
         return time.monotonic() < self._skip_until.get(server, 0.0)
@@ -268,7 +276,7 @@ class RedisStore(FragmentStore):
         try:
             return list(self._r.scan_iter(match=f"{self.prefix}:{kind}:*", count=1000))
         except self._errors as e:
-            raise StoreError(f"cannot list the keys in Redis {self.url}: {e}") from e
+            raise StoreError(f"cannot list the keys in Redis {self.where}: {e}") from e
 
     def keys(self) -> list[str]:
         """Every fragment key (all nodes of a cluster); `StoreError` if a server is down."""
