@@ -292,3 +292,68 @@ def test_plan_is_revised_when_the_link_is_faster_than_estimated(server, tmp_path
     assert r.replans >= 1  # the loopback link measured far faster: more chunks were streamed
     assert r.streamed_chunks > len(r.plan.streamed)
     assert np.array_equal(r.first_logits, cold(PROMPT))
+
+
+def test_shaper_jitter_loss_and_bandwidth_change_as_configured():
+    s = Shaper(bandwidth_mbps=1000.0, rtt_ms=4.0, jitter_ms=3.0, loss=0.5, seed=7,
+               change_after_bytes=200_000, changed_bandwidth_mbps=500.0)
+    for _ in range(20):
+        s.on_request()
+    assert all(0.001 - 1e-9 <= r <= 0.007 + 1e-9 for r in s.log.rtts_s)
+    assert len({round(r, 6) for r in s.log.rtts_s}) > 5  # drawn, not constant
+    assert s.current_mbps == 1000.0 and s.log.changed_at_s is None
+    for _ in range(10):
+        s.on_bytes(64 * 1024)
+    assert s.log.segments == 10 and 0 < s.log.lost < 10  # seeded coin flips per segment
+    assert s.current_mbps == 500.0 and s.log.changed_at_s is not None
+    assert Shaper(loss=0.0).log.lost == 0
+    with pytest.raises(ValueError):
+        Shaper(change_after_bytes=10)  # a change needs its new bandwidth
+    with pytest.raises(ValueError):
+        Shaper(jitter_ms=-1)
+
+
+def test_loader_measures_the_rtt_the_planner_uses(server, tmp_path):
+    host, port = server.address
+    h = device(tmp_path, f"http://{host}:{port}", shaper=Shaper(rtt_ms=40))
+    assert h.wait_ready(10)
+    assert h.rtt_measured_s is not None and h.rtt_measured_s >= 0.04  # the shaper slept 40 ms
+    assert h.cost.rtt_s == h.rtt_measured_s  # the first measurement replaces the 2 ms prior
+
+
+def test_all_compute_plan_waits_on_no_network(tmp_path):
+    """A server that never answers: the all-compute request finishes while the background
+    server check is still blocked on it, exactly as the cache's own prefill would."""
+    silent = SilentServer()
+    cfg = CacheConfig(chunk_size=64, cache_dir=tmp_path / "device")
+    kv = EdgeKV(FakeAdapter(), open_store(cfg), cfg)
+    slow_link = CostModel(bandwidth_Bps=10.0, rtt_s=0.002, prefill_a_s=0.002, prefill_b_s=0.0)
+    h = HybridLoader(kv, KVClient(f"http://127.0.0.1:{silent.port}", SECRET, timeout_s=20),
+                     slow_link)
+    r = h.generate(PROMPT, max_tokens=2, strategy="hybrid", store=False)
+    assert not h.wait_ready(0)  # the check has not come back, and nothing waited for it
+    assert r.plan is not None and "stream" not in r.plan.actions and r.handed_back
+    assert r.streamed_chunks == 0 and r.wire_bytes == 0 and r.executed == "C" * 6
+    assert np.array_equal(r.first_logits, cold(PROMPT))
+    silent.close()
+
+
+def test_link_slowing_mid_request_switches_overdue_chunks_to_compute(server, tmp_path):
+    host, port = server.address
+    KVClient(f"http://{host}:{port}", SECRET).precompute(PROMPT)
+    cfg = CacheConfig(chunk_size=64, cache_dir=tmp_path / "drop")
+    kv = EdgeKV(SlowFake(), open_store(cfg), cfg)
+    # two chunks at 20 Mbit/s (~4 ms each), then 0.1 Mbit/s (~0.7 s per chunk)
+    shaper = Shaper(bandwidth_mbps=20.0, change_after_bytes=2 * 9000,
+                    changed_bandwidth_mbps=0.1)
+    cost = CostModel(bandwidth_Bps=20e6 / 8, rtt_s=0.001, prefill_a_s=0.05, prefill_b_s=0.0,
+                     wire_ratio=1.0)
+    h = HybridLoader(kv, KVClient(f"http://{host}:{port}", SECRET, shaper=shaper), cost)
+    assert h.wait_ready(10)
+    r = h.generate(PROMPT, max_tokens=2, strategy="hybrid", store=False)
+    assert r.plan is not None and r.plan.actions[2] == "stream"  # planned at the fast link
+    assert shaper.log.changed_at_s is not None
+    assert r.switched >= 1 and r.executed[2] == "C"  # overdue: computed instead
+    assert r.executed.startswith("S") and r.streamed_chunks >= 1
+    assert h.cost.bandwidth_Bps < 20e6 / 8  # the wait lowered the estimate
+    assert np.array_equal(r.first_logits, cold(PROMPT))

@@ -9,12 +9,23 @@ next chunk if it should land before computing it would end, or computes it. A st
 ends early re-plans the rest from measurements; a timeout, dropped connection, rejected chunk
 or wrong model turns what is left into local compute. Streamed chunks are verified (chain
 key, tokens, layers) and, at the default f16 level, bit-identical to computed ones.
+
+Nothing on the network is on the critical path of a request that computes everything: the
+server check (`/v1/info`, whose round trip is the measured RTT the planner uses) and the
+session run on a background thread from construction, the plan is made from the cost model's
+current estimates (the prior until something is measured) before anything waits on the
+network, and an all-compute plan hands the chunks back to the cache's own prefill (exactly a
+request without streaming). A stream waits for the check on its own thread. A chunk that is
+overdue (waited on longer than predicted plus half its compute time: the link slowed down) is
+computed instead; the stream is dropped, the link estimate lowered to what the wait proves,
+and the rest re-planned.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -52,6 +63,11 @@ class HybridResult:
     replans: int = 0
     fallback: str | None = None  # why streaming stopped early, if it did
     stream_s: float = 0.0  # seconds the radio was receiving (request sent -> last chunk)
+    # what happened to each whole chunk: L (device cache), S (streamed), C (computed here)
+    executed: str = ""
+    switched: int = 0  # chunks planned to stream that were computed because they were overdue
+    plan_s: float = 0.0  # seconds spent planning and re-planning (on the critical path)
+    handed_back: bool = False  # all-compute plan: the cache's own prefill did the chunks
 
 
 @dataclass(slots=True)
@@ -70,6 +86,7 @@ class _Run:
     got: dict[int, KVFragment] = field(default_factory=dict)
     last_at: float = 0.0  # arrival of the last streamed chunk, seconds since its request
     waiting_since: dict[int, float] = field(default_factory=dict)
+    trace: list[str] = field(default_factory=list)  # per chunk, in order: "L", "S" or "C"
 
     @property
     def n(self) -> int:
@@ -102,22 +119,52 @@ class HybridLoader:
         self.codec, self.objective = codec, objective
         self.max_replans = self.config.stream_max_replans if max_replans is None else max_replans
         self.server_ok: str | None = None  # reason streaming is off, if it is
-        if client is not None:
-            try:
-                t = time.perf_counter()
-                info = client.info()
-                self.cost.observe_rtt(time.perf_counter() - t)
-                if info.get("fingerprint") != kv.fingerprint:
-                    self.server_ok = (f"server model {str(info.get('fingerprint'))[:12]} "
-                                      f"differs from this device's {kv.fingerprint[:12]}")
-                    log.warning("KV server refused: %s; computing locally", self.server_ok)
-                elif info.get("chunk_size") != self.config.chunk_size:
-                    self.server_ok = (f"server chunks are {info.get('chunk_size')} tokens, this "
-                                      f"device uses {self.config.chunk_size}")
-                    log.warning("KV server refused: %s; computing locally", self.server_ok)
-            except TransportError as e:
-                self.server_ok = f"server unreachable: {e}"
-                log.warning("KV server unreachable (%s); computing locally", e)
+        self.rtt_measured_s: float | None = None  # the /v1/info round trip, once measured
+        self.setup_s: float | None = None  # how long the background check + session took
+        self._ready = threading.Event()
+        if client is None:
+            self._ready.set()
+        else:
+            threading.Thread(target=self._setup, args=(client,), daemon=True,
+                             name="edgekv-kv-setup").start()
+
+    def _setup(self, client: KVClient) -> None:
+        """Off the request path: check the server (model, chunk size), measure the round trip
+        (the planner's RTT) and open the session the first stream will use."""
+        t0 = time.perf_counter()
+        try:
+            info = client.info()
+            self.rtt_measured_s = time.perf_counter() - t0
+            self.cost.observe_rtt(self.rtt_measured_s)
+            if info.get("fingerprint") != self.kv.fingerprint:
+                self.server_ok = (f"server model {str(info.get('fingerprint'))[:12]} "
+                                  f"differs from this device's {self.kv.fingerprint[:12]}")
+                log.warning("KV server refused: %s; computing locally", self.server_ok)
+            elif info.get("chunk_size") != self.config.chunk_size:
+                self.server_ok = (f"server chunks are {info.get('chunk_size')} tokens, this "
+                                  f"device uses {self.config.chunk_size}")
+                log.warning("KV server refused: %s; computing locally", self.server_ok)
+            else:
+                client.open_session()
+        except TransportError as e:
+            self.server_ok = self.server_ok or f"server unreachable: {e}"
+            log.warning("KV server unreachable (%s); computing locally", e)
+        finally:
+            self.setup_s = time.perf_counter() - t0
+            self._ready.set()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait for the background server check (a caller that wants measured estimates before
+        its first request, e.g. a benchmark). True once it has finished."""
+        return self._ready.wait(timeout)
+
+    def _await_setup(self) -> None:
+        """On a stream's thread: wait for the server check; raise if streaming is off."""
+        assert self.client is not None
+        if not self._ready.wait(2 * self.client.timeout_s + 1.0):
+            raise TransportError("KV server check did not finish; computing locally")
+        if self.server_ok:
+            raise TransportError(self.server_ok)
 
     @property
     def streaming(self) -> bool:
@@ -152,14 +199,22 @@ class HybridLoader:
             rest = STREAM if stream_ok else COMPUTE
             actions = [LOCAL if f else rest for f in flags]
         else:
+            t = time.perf_counter()
             res.plan = plan(n, flags, [True] * n, req.chunk_size
                             * req.adapter.fingerprint.kv_bytes_per_token, self.cost,
                             objective=self.objective)
+            res.plan_s += time.perf_counter() - t
             actions = list(res.plan.actions)
         if not stream_ok and self.server_ok and strategy != "local":
             res.fallback = self.server_ok
+        if strategy == "hybrid" and STREAM not in actions:
+            # all-compute: nothing to overlap, so the cache prefills the rest as it would with
+            # no streaming at all (one call, its own batch schedule): no cost over local
+            res.handed_back, res.computed_chunks = True, n - held
+            res.executed = "L" * held + "C" * (n - held)
+            return Filled(req.held)
         run = _Run(req, actions, res, patient=strategy == "stream",
-                   adaptive=strategy == "hybrid", pos=held)
+                   adaptive=strategy == "hybrid", pos=held, trace=["L"] * held)
         self._start(run, [i for i in range(held, n) if actions[i] == STREAM])
         while run.pos < n:
             self._drain(run)
@@ -169,12 +224,14 @@ class HybridLoader:
                 self._compute(run)
         if run.stream is not None:
             run.stream.cancelled = True
+        res.executed = "".join(run.trace)
         # quantized chunks are not this request's exact KV: nothing computed on them is stored
         return Filled(n * req.chunk_size, res.streamed_chunks * req.chunk_size,
                       exact=self.codec == "f16" or res.streamed_chunks == 0)
 
     def _start(self, run: _Run, idx: list[int]) -> None:
-        run.stream = (BackgroundStream(self.client, [(i, run.req.keys[i]) for i in idx], self.codec)
+        run.stream = (_CheckedStream(self, self.client, [(i, run.req.keys[i]) for i in idx],
+                                     self.codec)
                       if idx and self.client is not None else None)
 
     def _give_up(self, run: _Run) -> None:
@@ -245,6 +302,7 @@ class HybridLoader:
             self._recover(run)
             return
         run.res.streamed_chunks += end - run.pos
+        run.trace += ["S"] * (end - run.pos)
         run.pos = end
 
     def _recover(self, run: _Run) -> None:
@@ -279,6 +337,8 @@ class HybridLoader:
             return False
         if not (run.patient or wait < self.cost.compute_s(pos)):
             return False
+        if not run.patient and self._overdue(run, pos, wait):
+            return False
         try:
             self._take(run, s.q.get(timeout=max(0.05, min(2 * wait + 0.05,
                                                            self.client.timeout_s))))
@@ -293,6 +353,7 @@ class HybridLoader:
         a.prefill(run.req.tokens[pos * c : (pos + 1) * c], align=c)
         self.cost.observe_prefill(pos, time.perf_counter() - t)
         run.res.computed_chunks += 1
+        run.trace.append("C")
         run.pos += 1
         if (run.adaptive and run.stream is None and not run.dead and self.streaming
                 and run.res.replans < self.max_replans
@@ -304,10 +365,54 @@ class HybridLoader:
         pos, n = run.pos, run.n
         rest = list(range(pos + 1, n))
         flags = [i <= pos for i in range(n)]  # chunk `pos` is being computed next: treat as held
+        t = time.perf_counter()
         p = plan(n, flags, [True] * n, run.chunk_bytes, self.cost, objective=self.objective)
+        run.res.plan_s += time.perf_counter() - t
         run.actions = run.actions[: pos + 1] + [p.actions[i] for i in rest]
         streamed = [i for i in rest if run.actions[i] == STREAM]
         self._start(run, streamed)
         if run.stream is not None:
             run.res.replans += 1
             log.info("re-planned at chunk %d: streaming %s", pos, streamed)
+
+    def _overdue(self, run: _Run, pos: int, wait: float) -> bool:
+        """Chunk `pos` was expected (its transfer, plus the round trip if nothing has arrived
+        on this stream yet) and has been waited on for half a compute time longer: the link
+        is slower than estimated. Lower the estimate to what the wait proves, drop the stream,
+        compute this chunk and re-plan the rest (it may stream again, at the new estimate)."""
+        s = run.stream
+        assert s is not None
+        expected = wait + (0.0 if run.last_at else self.cost.rtt_s)
+        waited = time.perf_counter() - run.waiting_since[pos]
+        if waited <= expected + 0.5 * self.cost.compute_s(pos):
+            return False
+        # since the last arrival (or the request) at least one chunk's bytes have not come
+        since = time.perf_counter() - s.t0 - (run.last_at or self.cost.rtt_s)
+        self.cost.observe_transfer(self.cost.wire_bytes(run.chunk_bytes), max(since, 1e-3))
+        log.info("chunk %d overdue after %.3fs (expected %.3fs): computing it, re-planning",
+                 pos, waited, expected)
+        s.cancelled = True
+        run.stream, run.last_at = None, 0.0
+        run.res.switched += 1
+        for i in range(pos, run.n):  # what has not arrived is now computed, until re-planned
+            if run.actions[i] == STREAM and i not in run.got:
+                run.actions[i] = COMPUTE
+        return True
+
+
+class _CheckedStream(BackgroundStream):
+    """A `BackgroundStream` that first waits, on its own thread, for the loader's server check
+    (so a stream planned before the check finished never delays the device)."""
+
+    def __init__(self, loader: HybridLoader, client: KVClient,
+                 keys: Sequence[tuple[int, str]], codec: str) -> None:
+        self._loader = loader  # set before the thread starts
+        super().__init__(client, keys, codec)
+
+    def _run(self, client: KVClient, keys: Sequence[tuple[int, str]], codec: str) -> None:
+        try:
+            self._loader._await_setup()
+        except BaseException as e:  # noqa: BLE001 - handed to the reader
+            self.q.put(e)
+            return
+        super()._run(client, keys, codec)
