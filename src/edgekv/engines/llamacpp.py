@@ -38,6 +38,7 @@ from .shared import (
     injection_length,
     sample_loop,
 )
+from .window import window_layout
 
 __all__ = ["LlamaCppAdapter"]
 
@@ -63,7 +64,7 @@ class LlamaCppAdapter:
                  **llama_kwargs: Any) -> None:
         """`llama_kwargs` go to `llama_cpp.Llama` (e.g. `flash_attn=True`, `type_k=...`)."""
         self._lib = lib = _import_llama()
-        self.model_path = resolve_model(model_path)
+        self.model_path = resolve_model(model_path, memo_dir)
         self.n_threads = n_threads or os.cpu_count() or 1
         try:
             self._llm = lib.Llama(
@@ -75,9 +76,19 @@ class LlamaCppAdapter:
         self._ctx = self._llm.ctx  # the llama_context the C bindings take
         self._n_vocab = self._llm.n_vocab()
         self.fingerprint = self._make_fingerprint(memo_dir)
-        self._v_trans: bool | None = None  # learnt from the first state llama.cpp writes
+        self.window = window_layout(self._llm.metadata, self.fingerprint.n_layer)
+        # llama-cpp-python's default: the SWA cache keeps every cell, so the whole-cache state
+        # (seq -1) holds the local layers' KV of every position, for any later window
+        self.swa_full = bool(getattr(self._llm.context_params, "swa_full", True))
         self.counters = EngineCounters()
         self.weight_bytes = self.model_path.stat().st_size  # streamed once per forward batch
+        # learnt from a one-token state, which also proves the blob parses as this model's
+        # layout: a GGUF whose state EdgeKV cannot read is refused here, never half-used
+        self._v_trans: bool | None = None
+        # local layers hold real KV from this position on (an injection leaves the cells
+        # before its last window zero); never extracted below it
+        self._swa_from = 0
+        self._v_trans = self._probe_v_trans()
 
     # -- identity ------------------------------------------------------------------------
 
@@ -151,6 +162,7 @@ class LlamaCppAdapter:
         return bytes(self._llm.detokenize(list(tokens))).decode("utf-8", errors="replace")
 
     def clear_kv_cache(self) -> None:
+        self._swa_from = 0
         self._llm.reset()
         self._lib.llama_memory_clear(self._lib.llama_get_memory(self._ctx), True)
 
@@ -174,10 +186,14 @@ class LlamaCppAdapter:
     # -- fragments -----------------------------------------------------------------------
 
     def _state_buffer(self) -> ctypes.Array[ctypes.c_uint8]:
+        """The sequence's state blob. With sliding-window layers, the whole cache's (seq -1:
+        the only sequence here is 0): per sequence, llama.cpp leaves out the local layers'
+        cells outside the last window, which older chunks' fragments need."""
         lib = self._lib
-        size = lib.llama_state_seq_get_size(self._ctx, 0)
+        seq = -1 if self.window.swa_layers else 0
+        size = lib.llama_state_seq_get_size(self._ctx, seq)
         buf = (ctypes.c_uint8 * size)()
-        written = lib.llama_state_seq_get_data(self._ctx, buf, size, 0)
+        written = lib.llama_state_seq_get_data(self._ctx, buf, size, seq)
         if written != size:
             raise EngineError(f"llama_state_seq_get_data wrote {written} of {size} bytes")
         return buf
@@ -187,8 +203,8 @@ class LlamaCppAdapter:
         if given, as `_state_buffer` returned it)."""
         fp = self.fingerprint
         buf = self._state_buffer() if buf is None else buf
-        state = parse_seq_state(memoryview(buf), n_layer=fp.n_layer,
-                                n_embd_k=fp.n_embd_k, n_embd_v=fp.n_embd_v)
+        state = parse_seq_state(memoryview(buf), n_layer=fp.n_layer, n_embd_k=fp.n_embd_k,
+                                n_embd_v=fp.n_embd_v, swa_layers=self.window.swa_layers)
         if state.n_tokens != self.n_tokens:
             raise UnsupportedLayout(f"engine state holds {state.n_tokens} cells for "
                                     f"{self.n_tokens} evaluated tokens (SWA or context shift)")
@@ -202,9 +218,16 @@ class LlamaCppAdapter:
     def extract_fragments(self, specs: Sequence[FragmentSpec]) -> list[KVFragment]:
         if not specs:
             return []
+        below = [s for s in specs if s.token_start < self._swa_from]
+        if below and self.window.swa_layers:
+            raise EngineError(
+                f"tokens [{below[0].token_start}, {below[0].token_end}) were injected without "
+                f"their sliding-window layers (held only from {self._swa_from}); not extracted")
         state = self.read_state()
-        return build_fragments(specs, self.fingerprint, self.token_ids,
-                               lambda li, tok: (state.keys[li, tok], state.values[li, tok]))
+        try:
+            return build_fragments(specs, self.fingerprint, self.token_ids, state.layer_kv)
+        except UnsupportedLayout as e:  # a local layer's old cells are gone (swa_full=False)
+            raise EngineError(f"cannot extract {specs[0].token_start}..: {e}") from e
 
     def inject_fragments(self, fragments: Sequence[KVFragment], limit: int | None = None) -> int:
         n = injection_length(fragments, self.fingerprint, limit)
@@ -235,28 +258,45 @@ class LlamaCppAdapter:
     def _restore(self, n: int, fragments: Sequence[KVFragment], v_trans: bool,
                  held: tuple[SeqState, list[int]] | None = None) -> int:
         """Replace the sequence with cells 0..n-1: the `held` state's cells first (if given),
-        then the fragments' tokens, written straight into the blob llama.cpp reads."""
-        fp = self.fingerprint
+        then the fragments' tokens, written straight into the blob llama.cpp reads.
+
+        Local (sliding-window) layers get only the last window, [n - n_swa, n): that is all the
+        tokens after n attend to. With `swa_full` their cache still gets cells for every
+        position, the older ones left zero: they are masked (-inf before the softmax, so they
+        weigh exactly 0), and the cells sit where a cold run puts them, so attention sums in
+        the same order as cold."""
+        fp, win = self.fingerprint, self.window
+        swa_start = 0 if self.swa_full else max(0, n - win.n_swa)
+        sections = ([(win.global_layers, 0), (win.swa_layers, swa_start)] if win.swa_layers
+                    else None)
         writer = SeqStateWriter(fp.n_layer, n, fp.n_embd_k, fp.n_embd_v,
                                 np.dtype(np.float16 if fp.kv_dtype == "f16" else np.float32),
-                                v_trans=v_trans)
+                                v_trans=v_trans, sections=sections)
+
+        def put(layer: int, lo: int, k: np.ndarray, v: np.ndarray) -> None:
+            need = win.needed_from(layer, n)
+            if need > lo:  # before the window: not needed
+                k, v, lo = k[need - lo :], v[need - lo :], need
+            at = lo - writer.start(layer)
+            writer.k(layer)[at : at + len(k)] = k
+            writer.v(layer)[at : at + len(v)] = v
+
         ids = np.empty(n, np.int32)
         if held is not None:
             state, held_ids = held
             m = state.n_tokens
             ids[:m] = held_ids
             for layer in range(fp.n_layer):
-                writer.k(layer)[:m] = state.keys[layer]
-                writer.v(layer)[:m] = state.values[layer]
+                lo = min(m, win.needed_from(layer, n))
+                put(layer, lo, *state.layer_kv(layer, slice(lo, m)))
         for f in fragments:
             if f.token_start >= n:
                 continue
             end = min(f.token_end, n)
-            tok, m = slice(f.token_start, end), end - f.token_start
-            ids[tok] = f.token_ids[:m]
+            m = end - f.token_start
+            ids[f.token_start : end] = f.token_ids[:m]
             for i, layer in enumerate(f.layer_indices):
-                writer.k(layer)[tok] = f.keys[i, :m]
-                writer.v(layer)[tok] = f.values[i, :m]
+                put(layer, f.token_start, f.keys[i, :m], f.values[i, :m])
         blob = writer.blob
         self.clear_kv_cache()
         src = (ctypes.c_uint8 * len(blob)).from_buffer(blob)
@@ -267,6 +307,8 @@ class LlamaCppAdapter:
                               "bytes read); the context is cleared, prefill will recompute")
         self._llm.input_ids[:n] = ids
         self._llm.n_tokens = n
+        if win.swa_layers:
+            self._swa_from = win.needed_from(win.swa_layers[0], n)
         return n
 
     def _probe_v_trans(self) -> bool:
@@ -275,7 +317,14 @@ class LlamaCppAdapter:
         self.clear_kv_cache()
         bos = self._llm.token_bos()
         self._llm.eval([bos if bos >= 0 else 0])
-        v_trans = self.read_state().v_trans
+        try:
+            v_trans = self.read_state().v_trans
+        except UnsupportedLayout as e:
+            self.clear_kv_cache()
+            raise UnsupportedLayout(
+                f"{self.model_path.name} ({self.fingerprint.architecture}): llama.cpp's KV state "
+                f"for this model is not in a layout EdgeKV understands ({e}); KV reuse is "
+                "refused for it (run it with llama.cpp directly)") from e
         self.clear_kv_cache()
         if saved:
             log.debug("v_trans probe cleared a context of %d tokens", len(saved))
@@ -285,3 +334,11 @@ class LlamaCppAdapter:
         llm, self._llm = getattr(self, "_llm", None), None
         if llm is not None:
             llm.close()
+
+    def passage_engine(self) -> Any:
+        """Passage reuse's engine side (`llamacpp_shift.LlamaCppPassages`): K re-rotated to
+        new positions, contexts built from cached and computed runs. Raises UnsupportedLayout
+        with the reason where the model's RoPE or attention cannot be shifted (SWA, M-RoPE)."""
+        from .llamacpp_shift import LlamaCppPassages
+
+        return LlamaCppPassages(self)

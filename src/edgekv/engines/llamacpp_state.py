@@ -2,48 +2,104 @@
 
 Layout (llama.cpp `llama_context::state_seq_get_data` + `llama_kv_cache::state_write`), LE:
 
-    u32 magic 0xaf143cd8 | i32 seq_id | u32 n_stream
-    per stream: u32 cell_count; if > 0:
+    u32 magic 0xaf143cd8 | i32 seq_id | then one KV cache, or two for sliding-window models:
+    per cache: u32 n_stream
+      per stream: u32 cell_count; if > 0:
         per cell: i32 pos, u32 n_seq_id, i32 seq_id * n_seq_id
-        u32 v_trans, u32 n_layer
+        u32 v_trans, u32 n_layer (the layers of this cache)
         per layer K: i32 type, u64 row_bytes, cell_count rows
         V (v_trans=0): per layer: i32 type, u64 row_bytes, cell_count rows
         V (v_trans=1): per layer: i32 type, u32 elem_bytes, u32 n_embd_v, n_embd_v x cell_count
 
+A model with interleaved sliding-window (SWA) and global layers (Gemma 3) runs on
+`llama_kv_cache_iswa`: two caches, written one after the other in one blob, the global
+("base") cache first, then the SWA cache. Each holds only its own layers, in model order. For
+one sequence, llama.cpp leaves out the SWA cells the window already masks (positions
+<= pos_max - n_swa), so the SWA section is the last `n_swa` positions; with seq_id -1 (the
+whole cache) it writes every cell it still holds: all of them with `swa_full=True`, the last
+window plus a micro-batch without. See docs/llamacpp-state.md.
+
 Only what can be sliced and reassembled safely is accepted: one stream, one sequence, plain
-f16/f32 K and V, no per-cell extension (M-RoPE / n-gram models), every byte accounted for.
-Anything else raises `UnsupportedLayout` with what was found, so the cache falls back to
-recomputing instead of feeding llama.cpp a state it would misread.
+f16/f32 K and V, no per-cell extension (M-RoPE / n-gram models), every cache's cells a gap-free
+range of positions ending at the same place, every byte accounted for. Anything else raises
+`UnsupportedLayout` with what was found, so the cache falls back to recomputing instead of
+feeding llama.cpp a state it would misread.
 """
 
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import UnsupportedLayout
 
-__all__ = ["SEQ_MAGIC", "SeqState", "SeqStateWriter", "assemble_seq_state", "parse_seq_state"]
+__all__ = ["SEQ_MAGIC", "KVSection", "SeqState", "SeqStateWriter", "assemble_seq_state",
+           "parse_seq_state"]
 
 SEQ_MAGIC = 0xAF143CD8
 # GGML_TYPE_F32, GGML_TYPE_F16
 GGML_TYPES: dict[int, np.dtype] = {0: np.dtype("<f4"), 1: np.dtype("<f2")}
 _TYPE_IDS = {np.dtype("<f4"): 0, np.dtype("<f2"): 1}
+_CELL = np.dtype([("pos", "<i4"), ("n_seq", "<u4"), ("seq", "<i4")])
+
+
+@dataclass(frozen=True, slots=True)
+class KVSection:
+    """One KV cache of a state blob: `layers` (model layer indices, in blob order) for the
+    positions [start, start + n): keys/values[i, position - start, width]."""
+
+    layers: tuple[int, ...]
+    start: int
+    keys: np.ndarray
+    values: np.ndarray
+
+    @property
+    def end(self) -> int:
+        return self.start + int(self.keys.shape[1])
 
 
 @dataclass(frozen=True, slots=True)
 class SeqState:
-    """One sequence's KV in canonical layout: keys/values[layer, position, width]."""
+    """One sequence's KV in canonical layout, one section per KV cache (two for SWA models)."""
 
-    keys: np.ndarray
-    values: np.ndarray
+    sections: tuple[KVSection, ...]
     v_trans: bool
 
     @property
     def n_tokens(self) -> int:
-        return int(self.keys.shape[1])
+        return self.sections[0].end
+
+    @property
+    def keys(self) -> np.ndarray:
+        """keys[layer, position, width] of a one-cache state (every layer from position 0)."""
+        return self._whole().keys
+
+    @property
+    def values(self) -> np.ndarray:
+        return self._whole().values
+
+    def _whole(self) -> KVSection:
+        s = self.sections[0]
+        if len(self.sections) != 1 or s.start != 0:
+            raise UnsupportedLayout("a sliding-window state has no single keys array; use "
+                                    "layer_kv(layer, positions)")
+        return s
+
+    def layer_kv(self, layer: int, tok: slice) -> tuple[np.ndarray, np.ndarray]:
+        """K and V [token, width] of `layer` at the absolute positions `tok`."""
+        for s in self.sections:
+            if layer in s.layers:
+                if tok.start < s.start or tok.stop > s.end:
+                    raise UnsupportedLayout(
+                        f"layer {layer} holds positions [{s.start}, {s.end}), not "
+                        f"[{tok.start}, {tok.stop}): its sliding window dropped the rest "
+                        "(run llama.cpp with swa_full=True to keep them)")
+                i, lo, hi = s.layers.index(layer), tok.start - s.start, tok.stop - s.start
+                return s.keys[i, lo:hi], s.values[i, lo:hi]
+        raise UnsupportedLayout(f"layer {layer} is in no KV cache of the state")
 
 
 class _Reader:
@@ -75,42 +131,38 @@ def _dtype(type_id: int, what: str) -> np.dtype:
     return GGML_TYPES[type_id]
 
 
-def parse_seq_state(blob: bytes | bytearray | memoryview, *, n_layer: int, n_embd_k: int,
-                    n_embd_v: int) -> SeqState:
-    """Decode a blob into canonical keys/values, ordered by position 0..n-1."""
-    r = _Reader(memoryview(blob).cast("B"))
-    if (magic := r.take("<I")) != SEQ_MAGIC:
-        raise UnsupportedLayout(f"sequence-state magic {magic:#x}, expected {SEQ_MAGIC:#x}")
-    r.take("<i")  # seq_id of the writer
+def _read_cache(r: _Reader, layers: tuple[int, ...], n_embd_k: int, n_embd_v: int,
+                what: str) -> tuple[KVSection, bool | None]:
+    """One KV cache's stream: its section and v_trans (None when it holds no cells)."""
     if (n_stream := r.take("<I")) != 1:
         raise UnsupportedLayout(f"{n_stream} KV streams; EdgeKV supports a unified single stream")
     n = r.take("<I")
     if n == 0:
-        if r.off != len(r.buf):
-            raise UnsupportedLayout("empty sequence state followed by unexpected bytes")
-        empty = np.zeros((n_layer, 0, n_embd_k), np.float16)
-        return SeqState(empty, np.zeros((n_layer, 0, n_embd_v), np.float16), True)
-    cells = r.array(np.dtype([("pos", "<i4"), ("n_seq", "<u4"), ("seq", "<i4")]), n)
+        return KVSection(layers, 0, np.zeros((len(layers), 0, n_embd_k), np.float16),
+                         np.zeros((len(layers), 0, n_embd_v), np.float16)), None
+    cells = r.array(_CELL, n)
     if np.any(cells["n_seq"] != 1):
         raise UnsupportedLayout("cells shared by several sequences or with a per-cell extension "
                                 "(M-RoPE/n-gram models); not supported")
     order = np.argsort(cells["pos"], kind="stable")
-    if not np.array_equal(cells["pos"][order], np.arange(n)):
-        raise UnsupportedLayout("sequence positions are not a gap-free range 0..n-1 "
-                                "(context shift or SWA masking); not reusable")
+    start = int(cells["pos"][order[0]])
+    if not np.array_equal(cells["pos"][order], np.arange(start, start + n)):
+        raise UnsupportedLayout(f"{what} positions are not a gap-free range (context shift or "
+                                "another sequence's cells); not reusable")
     v_trans = r.take("<I")
-    if (layers := r.take("<I")) != n_layer:
-        raise UnsupportedLayout(f"state has {layers} layers, the model {n_layer} (hybrid/SWA "
-                                "memory or another model)")
+    if (got := r.take("<I")) != len(layers):
+        raise UnsupportedLayout(f"{what} has {got} layers, the model {len(layers)} there "
+                                "(hybrid/recurrent memory, another sliding-window pattern or "
+                                "another model)")
     keys = []
-    for il in range(n_layer):
+    for il in layers:
         dt = _dtype(r.take("<i"), f"K of layer {il}")
         if (row := r.take("<Q")) != n_embd_k * dt.itemsize:
             raise UnsupportedLayout(
                 f"K row of layer {il} is {row} B, expected {n_embd_k}x{dt.itemsize}")
         keys.append(r.array(dt, n * n_embd_k).reshape(n, n_embd_k))
     values = []
-    for il in range(n_layer):
+    for il in layers:
         dt = _dtype(r.take("<i"), f"V of layer {il}")
         if v_trans:
             if r.take("<I") != dt.itemsize or r.take("<I") != n_embd_v:
@@ -120,63 +172,124 @@ def parse_seq_state(blob: bytes | bytearray | memoryview, *, n_layer: int, n_emb
             if (row := r.take("<Q")) != n_embd_v * dt.itemsize:
                 raise UnsupportedLayout(f"V row of layer {il} is {row} B")
             values.append(r.array(dt, n * n_embd_v).reshape(n, n_embd_v))
-    if r.off != len(r.buf):
-        raise UnsupportedLayout(f"{len(r.buf) - r.off} unexpected trailing bytes in the state")
     k, v = np.stack(keys), np.stack(values)
     if not np.array_equal(order, np.arange(n)):
         k, v = k[:, order], v[:, order]
-    return SeqState(k, v, bool(v_trans))
+    return KVSection(layers, start, k, v), bool(v_trans)
+
+
+def parse_seq_state(blob: bytes | bytearray | memoryview, *, n_layer: int, n_embd_k: int,
+                    n_embd_v: int, swa_layers: Sequence[int] = ()) -> SeqState:
+    """Decode a blob into canonical keys/values, ordered by position. `swa_layers`: the
+    model's sliding-window layers (the blob then holds the global cache, then the SWA one)."""
+    r = _Reader(memoryview(blob).cast("B"))
+    if (magic := r.take("<I")) != SEQ_MAGIC:
+        raise UnsupportedLayout(f"sequence-state magic {magic:#x}, expected {SEQ_MAGIC:#x}")
+    r.take("<i")  # seq_id of the writer
+    swa = tuple(sorted(set(swa_layers)))
+    groups = [tuple(i for i in range(n_layer) if i not in swa)]
+    if swa:
+        groups.append(swa)
+    names = ["the global KV cache", "the sliding-window KV cache"] if swa else ["the KV cache"]
+    sections, flags = [], []
+    for layers, what in zip(groups, names):
+        section, v_trans = _read_cache(r, layers, n_embd_k, n_embd_v, what)
+        sections.append(section)
+        flags.append(v_trans)
+    if r.off != len(r.buf):
+        raise UnsupportedLayout(f"{len(r.buf) - r.off} unexpected trailing bytes in the state")
+    base = sections[0]
+    if base.start != 0:
+        raise UnsupportedLayout(f"the global KV cache starts at position {base.start}, not 0")
+    for s in sections[1:]:
+        if s.keys.shape[1] and s.end != base.end:
+            raise UnsupportedLayout(f"the sliding-window cache ends at {s.end}, the global one "
+                                    f"at {base.end}")
+        if base.end and not s.keys.shape[1]:
+            raise UnsupportedLayout("the sliding-window cache holds no cells for a non-empty "
+                                    "sequence")
+    known = {f for f in flags if f is not None}
+    if len(known) > 1:
+        raise UnsupportedLayout("the KV caches disagree on the V layout (v_trans)")
+    return SeqState(tuple(sections), known.pop() if known else True)
 
 
 class SeqStateWriter:
-    """A blob llama.cpp restores as cells 0..n-1 of `seq_id`, filled in place.
+    """A blob llama.cpp restores as one sequence, filled in place.
 
-    The header and cell records are written at construction; `k(layer)` and `v(layer)` are
-    writable [token, width] views into the blob (V is a transposed view when llama.cpp keeps V
-    transposed), so fragments are copied exactly once, straight into the bytes llama.cpp reads.
+    `sections`: per KV cache, (its layers in blob order, its first position); every cache ends
+    at position n. The header and cell records are written at construction; `k(layer)` and
+    `v(layer)` are writable [position - start, width] views into the blob (V is a transposed
+    view when llama.cpp keeps V transposed), so fragments are copied exactly once, straight
+    into the bytes llama.cpp reads. Cells not written stay zero.
     """
 
     def __init__(self, n_layer: int, n: int, n_embd_k: int, n_embd_v: int, dtype: np.dtype,
-                 *, v_trans: bool, seq_id: int = 0) -> None:
+                 *, v_trans: bool, seq_id: int = 0,
+                 sections: Sequence[tuple[Sequence[int], int]] | None = None) -> None:
         dt = np.dtype(dtype).newbyteorder("<")
         tid = _TYPE_IDS[dt]
-        cells = np.zeros(n, dtype=[("pos", "<i4"), ("n_seq", "<u4"), ("seq", "<i4")])
-        cells["pos"] = np.arange(n)
-        cells["n_seq"] = 1
-        cells["seq"] = seq_id
-        head = (struct.pack("<IiII", SEQ_MAGIC, seq_id, 1, n) + cells.tobytes()
-                + struct.pack("<II", 1 if v_trans else 0, n_layer))
+        if sections is None:
+            sections = [(range(n_layer), 0)]
         k_head = struct.pack("<iQ", tid, n_embd_k * dt.itemsize)
         v_head = (struct.pack("<iII", tid, dt.itemsize, n_embd_v) if v_trans
                   else struct.pack("<iQ", tid, n_embd_v * dt.itemsize))
-        k_bytes, v_bytes = n * n_embd_k * dt.itemsize, n * n_embd_v * dt.itemsize
-        total = len(head) + n_layer * (len(k_head) + k_bytes + len(v_head) + v_bytes)
+        parts: list[tuple[bytes, tuple[int, ...], int]] = []
+        total = 8
+        for layers, start in sections:
+            m = n - start
+            if not 0 <= start <= n:
+                raise UnsupportedLayout(f"section start {start} outside [0, {n}]")
+            cells = np.zeros(m, _CELL)
+            cells["pos"] = np.arange(start, n)
+            cells["n_seq"] = 1
+            cells["seq"] = seq_id
+            head = struct.pack("<II", 1, m)
+            if m:
+                head += cells.tobytes() + struct.pack("<II", 1 if v_trans else 0, len(layers))
+            parts.append((head, tuple(layers), m))
+            if m:
+                total += len(head) + len(layers) * (len(k_head) + len(v_head)
+                                                    + m * (n_embd_k + n_embd_v) * dt.itemsize)
+            else:
+                total += len(head)
         self.blob = bytearray(total)
         mv = memoryview(self.blob)
-        mv[: len(head)] = head
-        off = len(head)
-        self._k: list[np.ndarray] = []
-        self._v: list[np.ndarray] = []
-        for _ in range(n_layer):
-            mv[off : off + len(k_head)] = k_head
-            off += len(k_head)
-            self._k.append(np.frombuffer(self.blob, dt, n * n_embd_k, off).reshape(n, n_embd_k))
-            off += k_bytes
-        for _ in range(n_layer):
-            mv[off : off + len(v_head)] = v_head
-            off += len(v_head)
-            if v_trans:
-                arr = np.frombuffer(self.blob, dt, n * n_embd_v, off).reshape(n_embd_v, n).T
-            else:
-                arr = np.frombuffer(self.blob, dt, n * n_embd_v, off).reshape(n, n_embd_v)
-            self._v.append(arr)
-            off += v_bytes
+        mv[:8] = struct.pack("<Ii", SEQ_MAGIC, seq_id)
+        off = 8
+        self._k: dict[int, np.ndarray] = {}
+        self._v: dict[int, np.ndarray] = {}
+        self._start: dict[int, int] = {}
+        for head, layers, m in parts:
+            mv[off : off + len(head)] = head
+            off += len(head)
+            if not m:
+                continue
+            for il in layers:
+                mv[off : off + len(k_head)] = k_head
+                off += len(k_head)
+                self._k[il] = np.frombuffer(self.blob, dt, m * n_embd_k, off).reshape(m, n_embd_k)
+                self._start[il] = n - m
+                off += m * n_embd_k * dt.itemsize
+            for il in layers:
+                mv[off : off + len(v_head)] = v_head
+                off += len(v_head)
+                if v_trans:
+                    arr = np.frombuffer(self.blob, dt, m * n_embd_v, off).reshape(n_embd_v, m).T
+                else:
+                    arr = np.frombuffer(self.blob, dt, m * n_embd_v, off).reshape(m, n_embd_v)
+                self._v[il] = arr
+                off += m * n_embd_v * dt.itemsize
 
     def k(self, layer: int) -> np.ndarray:
         return self._k[layer]
 
     def v(self, layer: int) -> np.ndarray:
         return self._v[layer]
+
+    def start(self, layer: int) -> int:
+        """The first position `k(layer)`/`v(layer)` hold (their row 0)."""
+        return self._start[layer]
 
 
 def assemble_seq_state(keys: np.ndarray, values: np.ndarray, *, v_trans: bool,

@@ -25,7 +25,7 @@ from ..keys import ModelFingerprint, file_sha256
 from .base import EngineCounters, FragmentSpec
 from .hf import HFTokenizerAdapter
 from .layout import from_head_major, to_head_major
-from .models import resolve_model
+from .models import require_architecture, resolve_model
 from .shared import (
     aligned_batches,
     append_length,
@@ -36,6 +36,12 @@ from .shared import (
 )
 
 __all__ = ["OnnxAdapter", "export_onnx"]
+
+# EdgeKV converts HF KV to its canonical layout by undoing the q/k permutation llama.cpp's
+# GGUF converter applies to llama-family models only, and keeps every layer's KV whole:
+# sliding-window models (Gemma 3: local layers in windowed caches, two RoPE bases) and
+# unpermuted architectures would be converted wrongly, so they are refused
+SUPPORTED_ARCHITECTURES = ("llama",)
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +100,10 @@ def export_onnx(model_path: Path, out: Path) -> dict[str, Any]:
 class OnnxAdapter(HFTokenizerAdapter):
     def __init__(self, model_path: str | Path | None = None, *, n_ctx: int = 2048,
                  n_threads: int | None = None, memo_dir: Path | None = None) -> None:
+        self.model_path = resolve_model(model_path, memo_dir)
+        require_architecture(self.model_path, "onnx", SUPPORTED_ARCHITECTURES,
+                             "its KV layout (RoPE channel order, sliding-window caches) is "
+                             "converted only for llama-family full-attention models")
         try:
             import onnxruntime as ort
             from transformers import AutoTokenizer
@@ -101,7 +111,6 @@ class OnnxAdapter(HFTokenizerAdapter):
             raise EngineError("the onnx engine needs onnxruntime and transformers") from e
         import json
 
-        self.model_path = resolve_model(model_path)
         sha = file_sha256(self.model_path, memo_dir)
         root = Path(memo_dir) if memo_dir else Path.home() / ".cache" / "edgekv"
         onnx_path = root / "models" / f"{sha[:16]}-kv.onnx"

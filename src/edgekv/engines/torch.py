@@ -22,7 +22,7 @@ from ..keys import ModelFingerprint, file_sha256
 from .base import EngineCounters, FragmentSpec
 from .hf import HFTokenizerAdapter
 from .layout import from_head_major, to_head_major
-from .models import resolve_model
+from .models import require_architecture, resolve_model
 from .shared import (
     aligned_batches,
     append_length,
@@ -34,12 +34,22 @@ from .shared import (
 
 __all__ = ["TorchAdapter"]
 
+# EdgeKV converts HF KV to its canonical layout by undoing the q/k permutation llama.cpp's
+# GGUF converter applies to llama-family models only, and keeps every layer's KV whole:
+# sliding-window models (Gemma 3: local layers in windowed caches, two RoPE bases) and
+# unpermuted architectures would be converted wrongly, so they are refused
+SUPPORTED_ARCHITECTURES = ("llama",)
+
 log = logging.getLogger(__name__)
 
 
 class TorchAdapter(HFTokenizerAdapter):
     def __init__(self, model_path: str | Path | None = None, *, n_ctx: int = 2048,
                  n_threads: int | None = None, memo_dir: Path | None = None) -> None:
+        self.model_path = resolve_model(model_path, memo_dir)
+        require_architecture(self.model_path, "torch", SUPPORTED_ARCHITECTURES,
+                             "its KV layout (RoPE channel order, sliding-window caches) is "
+                             "converted only for llama-family full-attention models")
         try:
             import torch
             from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -49,7 +59,6 @@ class TorchAdapter(HFTokenizerAdapter):
         self._torch = torch
         self.n_threads = n_threads or os.cpu_count() or 1
         torch.set_num_threads(self.n_threads)
-        self.model_path = resolve_model(model_path)
         d, name = str(self.model_path.parent), self.model_path.name
         log.warning("loading %s into PyTorch (de-quantizing the GGUF, ~20 s)", name)
         with warnings.catch_warnings():
