@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -35,6 +36,7 @@ from .errors import (
 from .fragment import KVFragment
 from .keys import ChunkKey, chunk_keys, tenant_root
 from .lookup import Chunk, ChunkReader, PrefixMatch, PrefixMatcher, Router
+from .passages import PassageLayout, PassagePolicy, PassageReuse
 from .request import Filled, FillRequest, FillStep, GenerationResult, PrefetchHook, prepare_tokens
 from .store.base import FragmentStore
 from .writeback import Writeback
@@ -84,6 +86,9 @@ class EdgeKV:
                                    token_exact=self.token_exact)
         if router is not None:
             store.add_remove_listener(self.writeback.on_store_remove)
+        # opt-in; refused here, with the reason, on engines/models that cannot shift KV
+        self.passages = (PassageReuse(adapter, store, self.config)
+                         if self.config.passage_reuse else None)
 
     # -- public API ----------------------------------------------------------------------
 
@@ -132,17 +137,25 @@ class EdgeKV:
                  store: bool = True, keep_logits: bool = False,
                  approximate: bool | None = None, top_p: float = 1.0,
                  on_token: TokenCallback | None = None, salt: str = "",
-                 fill: FillStep | None = None) -> GenerationResult:
+                 fill: FillStep | None = None, passages: Sequence[str] | None = None,
+                 passage_policy: PassagePolicy | None = None) -> GenerationResult:
         """Answer `prompt` (text, or token ids), reusing what the cache holds for it.
 
         `salt` names a tenant (an API key, an OpenAI `cache_salt`): its prefixes are cached in
         a chain of its own and never reused for another salt. `on_token` sees each sampled
         token as it comes and may stop the generation by returning False. `fill` extends the
         injected prefix by whole chunks before the rest is prefilled (the SparKV executor,
-        `stream.hybrid`); it runs where the match ends on a chunk boundary."""
+        `stream.hybrid`); it runs where the match ends on a chunk boundary. `passages`
+        (with `CacheConfig.passage_reuse`): texts placed before `prompt` whose cached KV is
+        reused wherever they sit (approximate, labelled in `result.passages`, see `passages`)."""
         t0 = time.perf_counter()
         a = self.adapter
-        tokens = self.prepare(prompt, max_tokens)
+        layout: PassageLayout | None = None
+        if passages is not None:
+            layout = self._passage_reuse().layout(prompt, passages, max_tokens)
+            tokens = layout.tokens
+        else:
+            tokens = self.prepare(prompt, max_tokens)
         text = prompt if isinstance(prompt, str) else None
         if text is None and self.router is not None and use_cache:
             text = a.detokenize(tokens)
@@ -151,6 +164,9 @@ class EdgeKV:
                              whole_chunks=fill is not None)
                  if use_cache else PrefixMatch(0))
         rejections = match.rejections
+        if layout is not None and layout.cut(match.n_tokens) < match.n_tokens:
+            cut = layout.cut(match.n_tokens)  # passages are placed whole
+            match = replace(match, n_tokens=cut) if cut else PrefixMatch(0, rejections=rejections)
         t_lookup = time.perf_counter()
         cached = self._inject(match)
         if cached != match.n_tokens:
@@ -158,6 +174,11 @@ class EdgeKV:
         t_inject = time.perf_counter()
         before = a.counters.snapshot()
         filled = Filled(cached)
+        placed = None
+        if layout is not None and use_cache and self.passages is not None:
+            placed = self.passages.place(layout, cached, passage_policy)
+            # never stored as exact: computed on top of KV from other contexts
+            filled = Filled(a.n_tokens, exact=False)
         if fill is not None and cached % self.config.chunk_size == 0:
             filled = fill.fill(FillRequest(a, tokens, keys, self.config.chunk_size, cached,
                                            self._chunk_check(tokens, keys)))
@@ -174,7 +195,8 @@ class EdgeKV:
         stored = written = 0
         # KV computed on top of reuse that was not batch-exact is not what a cold run would
         # hold, so it is never stored (it would spread the difference to later requests)
-        if store and use_cache and match.batch_exact(self.config.chunk_size) and filled.exact:
+        if (store and use_cache and match.batch_exact(self.config.chunk_size) and filled.exact
+                and layout is None):
             seq, seq_keys = tokens, keys
             if self.token_exact:  # the answer's KV too: the next turn's prompt holds it
                 held = a.token_ids  # prompt + answer, less the last sampled token
@@ -182,6 +204,8 @@ class EdgeKV:
                     seq, seq_keys = held, self.chunk_keys(held, salt)
             stored, written = self.store_new(seq, cached, seq_keys, match.route,
                                              tenant_root(self.fingerprint, salt))
+        if layout is not None and store and use_cache and self.passages is not None:
+            self.passages.store_missing(layout)  # passages seen first here, computed alone
         self.writeback.record_hits(match)
         if self.prefetcher is not None and use_cache:
             # a request's signature: its deepest full chunk, which names its context
@@ -189,7 +213,8 @@ class EdgeKV:
         t_end = time.perf_counter()
         return GenerationResult(
             text=a.detokenize(gen.tokens), tokens=gen.tokens, prompt_tokens=len(tokens),
-            cached_tokens=cached, computed_tokens=len(tokens) - cached - filled.streamed,
+            cached_tokens=cached, computed_tokens=len(tokens) - cached - filled.streamed - (
+                placed.reused_tokens if placed else 0),
             ttft_s=t_first - t0, total_s=t_gen - t0, lookup_s=t_lookup - t0,
             inject_s=t_inject - t_lookup, prefill_s=t_first - t_inject,
             store_s=t_end - t_gen, stored_fragments=stored,
@@ -197,7 +222,17 @@ class EdgeKV:
             kv_bytes_written=written, prefill_traffic_bytes=prefill_traffic,
             first_logits=logits, match=match,
             step_logits=gen.logits, finish_reason=gen.finish_reason,
-            streamed_tokens=filled.streamed)
+            streamed_tokens=filled.streamed, passages=placed)
+
+    def warm_passages(self, passages: Sequence[str], scores: bool | None = None) -> int:
+        """Cache passages ahead of the requests that cite them (RAG indexing time)."""
+        return self._passage_reuse().warm(passages, scores)
+
+    def _passage_reuse(self) -> PassageReuse:
+        if self.passages is None:
+            raise EdgeKVError("passages were given but passage reuse is off: set "
+                              "CacheConfig(passage_reuse=True) / --passage-reuse")
+        return self.passages
 
     def clear(self) -> int:
         n = self.store.clear()

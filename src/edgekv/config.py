@@ -61,6 +61,13 @@ class CacheConfig:
     semantic_k: int = 4
     # Inject similar-but-different KV (the seed's behaviour). Off: reuse is token-verified.
     approximate: bool = False
+    # Passage reuse (docs/passages.md): passages marked by the caller are cached alone and
+    # placed anywhere, a budget of their tokens recomputed (changes output, labelled, never
+    # written back). Policy "epic" (first tokens of each passage) or "blend" (most deviating
+    # tokens); budget below 1: a fraction of the passage tokens, from 1: tokens per passage.
+    passage_reuse: bool = False
+    passage_policy: str = "epic"
+    passage_budget: float = 16
     # Semantic index additions between rewrites of its file. The file is rewritten whole, so
     # not after every request (also on sweep, clear, compaction and close); entries lost in a
     # crash only lower approximate-mode recall until a rebuild: strict reuse never reads it.

@@ -26,6 +26,7 @@ __all__ = [
     "chunk_keys",
     "file_sha256",
     "next_key",
+    "passage_key",
     "store_key",
     "tenant_root",
     "token_bytes",
@@ -97,6 +98,15 @@ def tenant_root(fingerprint: str, salt: str) -> str:
         return ""
     h = hashlib.sha256(b"edgekv-tenant\0" + fingerprint.encode() + b"\0" + salt.encode())
     return h.hexdigest()
+
+
+def passage_key(fingerprint: str, token_ids: Sequence[int],
+                anchor: Sequence[int] = ()) -> str:
+    """Key of a passage's own KV (passage reuse): model, the tokens it was computed after
+    (`anchor`, e.g. BOS) and its tokens, in a namespace of its own (never a chain key)."""
+    h = hashlib.sha256(b"edgekv-passage\0" + fingerprint.encode() + b"\0")
+    h.update(token_bytes(anchor) + b"\0" + token_bytes(token_ids))
+    return "p" + h.hexdigest()[1:]
 
 
 def chunk_keys(fingerprint: str, token_ids: Sequence[int], chunk_size: int,

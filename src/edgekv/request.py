@@ -20,6 +20,7 @@ from .engines.base import KVAdapter
 from .errors import EdgeKVError
 from .fragment import KVFragment
 from .lookup import PrefixMatch
+from .passages import PassageReport
 
 __all__ = ["FillRequest", "FillStep", "Filled", "GenerationResult", "PrefetchHook",
            "prepare_tokens"]
@@ -108,6 +109,8 @@ class GenerationResult:
     finish_reason: str = "length"  # "stop": end of sequence or `on_token` said stop
     # prompt tokens whose KV a fill step brought from elsewhere (neither cached nor computed)
     streamed_tokens: int = 0
+    # passage reuse (opt-in, approximate): how the passages were placed; None when not used
+    passages: PassageReport | None = None
 
     @property
     def source_tiers(self) -> tuple[str, ...]:
