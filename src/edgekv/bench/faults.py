@@ -37,7 +37,8 @@ from typing import IO, Any
 from ..texts import MANUAL, QUESTIONS, SYSTEM_PROMPT
 
 __all__ = [
-    "FAULTS", "Fault", "all_faults", "check_store", "child_env", "cold_outputs", "edgekv_cmd",
+    "FAULTS", "Fault", "all_faults", "check_store", "child_env", "cold_outputs",
+    "drop_dac_override", "edgekv_cmd",
     "fault_prompts", "make_row", "new_cache_dir", "read_events", "readable_entries",
     "run_cli", "run_faults", "start_worker", "faults_table",
 ]
@@ -46,7 +47,6 @@ log = logging.getLogger(__name__)
 
 Fault = Callable[[Path, dict[str, Any]], dict[str, Any]]
 
-NOBODY = 65534  # the unprivileged user a root harness runs read-only / no-permission children as
 DEFAULTS: dict[str, Any] = {"model": None, "duration": 120.0, "kills": 50, "seed": 0,
                             "requests": 12, "max_tokens": 12, "n_ctx": 2048}
 
@@ -100,6 +100,8 @@ def new_cache_dir(path: Path, *, semantic: bool = False) -> Path:
     if semantic:
         _reference(None, 2048, semantic=True)  # exports MiniLM into the template once
     for part in _TEMPLATE_PARTS:
+        if part == "models" and not semantic:
+            continue
         if (tpl / part).is_dir() and not (path / part).exists():
             shutil.copytree(tpl / part, path / part)
     return path
@@ -147,12 +149,18 @@ def write_prompts(path: Path, prompts: Sequence[str]) -> Path:
     return path
 
 
-def demote() -> None:
-    """`preexec_fn` that runs a child as the unprivileged user `nobody` (for a root harness,
-    whose writes no file mode stops)."""
-    os.setgroups([])
-    os.setgid(NOBODY)
-    os.setuid(NOBODY)
+def drop_dac_override() -> None:
+    """`preexec_fn` for a root harness: the child loses CAP_DAC_OVERRIDE and
+    CAP_DAC_READ_SEARCH (dropped from the bounding set, so the exec'd root process does not
+    get them back), so file modes bind it as they bind any user. A no-op when not root."""
+    if os.getuid() != 0:
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+        if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP) failed")
 
 
 def start_worker(cache_dir: Path, prompts_file: Path, opts: dict[str, Any], *,
@@ -197,7 +205,10 @@ def read_events(stream: Iterable[bytes], sink: list[dict[str, Any]] | None = Non
 
 def fragment_files(store_dir: Path) -> dict[str, Path]:
     """The store's fragment files by key (only complete ones: temp names are skipped)."""
-    return {p.stem: p for p in (store_dir / "fragments").glob("*/*.ekv")}
+    try:
+        return {p.stem: p for p in (store_dir / "fragments").glob("*/*.ekv")}
+    except OSError:  # a directory the process may not read (the permission fault)
+        return {}
 
 
 def readable_entries(store_dir: Path, keys: Iterable[str] | None = None) -> set[str]:
@@ -325,10 +336,12 @@ def _worker(argv: Sequence[str]) -> int:
         sys.stdout.write(json.dumps(ev) + "\n")
         sys.stdout.flush()
 
-    def errors() -> int:
+    def tier_stats() -> list[Any]:
         tiers = getattr(kv.store, "tier_stats", None)
-        stats = tiers() if tiers is not None else [kv.store.stats()]
-        return sum(getattr(s, "errors", 0) for s in stats)
+        return list(tiers()) if tiers is not None else [kv.store.stats()]
+
+    def errors() -> int:
+        return sum(getattr(s, "errors", 0) for s in tier_stats())
 
     emit(event="open", s=time.perf_counter() - t0)
     rng = random.Random(a.seed)
@@ -340,10 +353,12 @@ def _worker(argv: Sequence[str]) -> int:
              s=time.perf_counter() - t0, errors=errors(),
              files=sorted(fragment_files(store_dir)) if store_dir.is_dir() else [])
         i += 1
-    n_errors = errors()
+    stats = {s.tier: {"hits": s.hits, "misses": s.misses, "evictions": s.evictions,
+                      "errors": getattr(s, "errors", 0), "corrupt": s.corrupt}
+             for s in tier_stats()}
     kv.close()
     kv.adapter.close()
-    emit(event="done", n=i, errors=n_errors)
+    emit(event="done", n=i, errors=sum(v["errors"] for v in stats.values()), stats=stats)
     return 0
 
 

@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import os
 import sqlite3
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -42,8 +43,9 @@ _TEMP_MAX_AGE_S = 3600.0  # a temp file older than this is a dead writer's, what
 
 
 def make_private(path: Path) -> None:
-    """Create `path` (and missing parents) as 0700 directories; tighten it to 0700 if it exists
-    and belongs to this user. What it holds (KV of prompts, their token ids) is the user's."""
+    """Create `path` (and missing parents) as 0700 directories; if it exists and belongs to this
+    user, take away the group's and others' bits (never add any: a directory made read-only
+    stays so). What it holds (KV of prompts, their token ids) is the user's."""
     path = Path(path)
     missing = [p for p in (path, *path.parents) if not p.exists()]
     for p in reversed(missing):
@@ -54,7 +56,7 @@ def make_private(path: Path) -> None:
     try:
         st = path.stat()
         if st.st_uid == os.getuid() and st.st_mode & 0o077:
-            os.chmod(path, 0o700)
+            os.chmod(path, stat.S_IMODE(st.st_mode) & 0o700)
     except OSError:
         pass  # not ours, or not reachable: the store reports what fails when it is used
 
@@ -76,7 +78,7 @@ class DiskStore(FragmentStore):
         self._lock = threading.Lock()
         self._stats = StoreStats(tier="disk", capacity_bytes=capacity_bytes)
         self._listeners: list[Callable[[str], None]] = []
-        self._logged: set[tuple[str, int]] = set()
+        self._failing = False  # an outage is under way: its first failure has been logged
         self.mode = "rw"  # "ro": the index is read-only; "memory": no usable index on disk
         try:
             make_private(self.root)
@@ -150,6 +152,9 @@ class DiskStore(FragmentStore):
             # it, and `get` adopts it now (it reads files, not rows)
             self._fail("index", e)
             return
+        if self._failing:
+            self._failing = False
+            log.info("disk store %s: writes succeed again", self.root)
         self._enforce_capacity()
 
     def touch(self, key: str, hit_count: int, expires_at: float, now: float | None = None) -> None:
@@ -165,7 +170,11 @@ class DiskStore(FragmentStore):
             self._fail("index", e)
 
     def contains(self, key: str) -> bool:
-        return self._path(check_key(key)).exists()
+        try:
+            return self._path(check_key(key)).exists()
+        except OSError as e:  # e.g. no permission on the directory: nothing usable here
+            self._fail("read", e)
+            return False
 
     def add_remove_listener(self, fn: Callable[[str], None]) -> None:
         """Call `fn(key)` whenever an entry leaves the store (delete, eviction, expiry, damage)."""
@@ -173,8 +182,8 @@ class DiskStore(FragmentStore):
 
     def delete(self, key: str) -> bool:
         path = self._path(check_key(key))
-        existed = path.exists()
         try:
+            existed = path.exists()
             path.unlink(missing_ok=True)
         except OSError as e:
             self._fail("delete", e)
@@ -236,14 +245,13 @@ class DiskStore(FragmentStore):
     # -- failures ------------------------------------------------------------------------
 
     def _fail(self, op: str, e: BaseException) -> None:
-        """Count an I/O failure; log it once per (operation, errno): a full disk must not
-        flood the log with one line per request."""
+        """Count an I/O failure; log the first of an outage (a full disk must not flood the
+        log with a line per request): the rest go to DEBUG until a write succeeds again."""
         self._stats.errors += 1
-        code = getattr(e, "errno", None) or getattr(e, "sqlite_errorcode", None) or 0
-        if (op, code) in self._logged:
+        if self._failing:
             log.debug("disk store: %s failed again (%s)", op, e)
             return
-        self._logged.add((op, code))
+        self._failing = True
         log.warning("disk store %s: %s failed (%s); requests are answered by local compute "
                     "and this is counted in the store's stats (errors). Check free space and "
                     "permissions.", self.root, op, e)
@@ -321,7 +329,13 @@ class DiskStore(FragmentStore):
     def _rebuild(self, db: sqlite3.Connection, paths: list[Path] | None = None,
                  drop_damaged: bool = True) -> None:
         now = time.time()
-        for path in self._dir.glob("*/*.ekv") if paths is None else paths:
+        if paths is None:
+            try:
+                paths = list(self._dir.glob("*/*.ekv"))
+            except OSError as e:  # no permission: an empty index, every read a miss
+                self._fail("list", e)
+                paths = []
+        for path in paths:
             try:
                 frag = decode_fragment(path.read_bytes())
                 db.execute("INSERT OR REPLACE INTO entries_v2 VALUES (?,?,?,?,?,?,?,?)",
@@ -378,8 +392,9 @@ def _writable(path: Path) -> bool:
 
 def _private_file(path: Path) -> None:
     try:
-        if path.stat().st_mode & 0o077 and path.stat().st_uid == os.getuid():
-            os.chmod(path, 0o600)
+        st = path.stat()
+        if st.st_mode & 0o077 and st.st_uid == os.getuid():
+            os.chmod(path, stat.S_IMODE(st.st_mode) & 0o700)
     except OSError:
         pass
 
