@@ -7,6 +7,7 @@ The fault rows run on the fake engine here; `edgekv bench faults` runs them on t
 from __future__ import annotations
 
 import logging
+import signal
 import time
 
 import pytest
@@ -35,7 +36,7 @@ def test_stopped_redis_is_a_miss_logged_once_and_counted(tmp_path, caplog):
     srv = redis_kit.RedisServer(tmp_path / "r", "--appendonly", "yes", "--appendfsync", "always")
     srv.start()
     try:
-        store = RedisStore(srv.url, retry_s=0.0)  # no skipping: every call reaches the socket
+        store = RedisStore(srv.url)
         f = make_fragment(chain_key="c", parent_key="p").stamped(time.time(), 600)
         store.put("c", f)
         srv.stop(kill=True)
@@ -62,20 +63,23 @@ def test_stopped_redis_is_a_miss_logged_once_and_counted(tmp_path, caplog):
         srv.stop()
 
 
-def test_unreachable_server_is_skipped_for_retry_s(tmp_path):
-    """After a failure the server is not tried again for `retry_s` (a hung server costs one
-    timeout, not one per call): even once it is back, calls count as errors until then."""
+def test_hung_server_is_skipped_for_retry_s(tmp_path):
+    """A server that times out (SIGSTOP: it accepts nothing, answers nothing) is not tried
+    again for `retry_s`: one timeout, not one per call. Proof without a clock: once it runs
+    again, calls still count as errors until the window is over."""
     with redis_kit.server(tmp_path / "r") as srv:
-        store = RedisStore(srv.url, retry_s=3600.0)
+        store = RedisStore(srv.url, timeout_s=0.3, retry_s=3600.0)
         store.put("c", make_fragment(chain_key="c").stamped(time.time(), 600))
-        srv.stop(kill=True)
-        assert store.get("c") is None  # fails, marks the server down for an hour
-        srv.start()
+        srv.proc.send_signal(signal.SIGSTOP)
+        try:
+            assert store.get("c") is None  # times out, marks the server down for an hour
+        finally:
+            srv.proc.send_signal(signal.SIGCONT)
         assert not store.contains("c") and store.stats().errors == 2  # skipped, not tried
-        store.retry_s = 0.0
-        store._skip_until.clear()
-        store.put("c", make_fragment(chain_key="c").stamped(time.time(), 600))
-        assert store.get("c") is not None
+        with pytest.raises(StoreError):
+            store.put("d", make_fragment(chain_key="d"))
+        store._skip_until.clear()  # the window is over
+        assert store.get("c") is not None and store.stats().errors == 3
 
 
 def test_noeviction_refuses_a_put_whole(tmp_path, caplog):

@@ -17,9 +17,9 @@ slot. On a single Redis the tags are plain characters.
 Redis is a cache under every request, never a dependency of it: a failed call is a miss (or a
 `StoreError` from `put`, which the writeback logs and drops), the request computes locally.
 The first failure of an outage is logged once, the rest are counted in `stats().errors`
-until a call succeeds again; while a server (a cluster node) is unreachable, calls to it are
-not even tried for `retry_s`, so a hung server costs one timeout per `retry_s`, not one per
-call.
+until a call succeeds again. A stopped server refuses connections at once, so every call tries
+it (and the first after a restart succeeds); a hung one (a timeout) is not tried again for
+`retry_s`, so it costs one timeout per `retry_s`, not one per call.
 """
 
 from __future__ import annotations
@@ -95,6 +95,7 @@ class RedisStore(FragmentStore):
         self._errors = (redis.RedisError, OSError, RedisClusterException)
         self._down_errors = (redis.ConnectionError, redis.TimeoutError, OSError,
                              ClusterDownError, RedisClusterException)
+        self._slow_errors = (redis.TimeoutError, TimeoutError)
         try:
             self._r: Any = make()
             if not self.cluster:  # a cluster client read the slot map from a node already
@@ -145,7 +146,7 @@ class RedisStore(FragmentStore):
     def _failed(self, op: str, key: str | None, server: str, e: Exception) -> None:
         self._stats.errors += 1
         kind = "unreachable" if isinstance(e, self._down_errors) else "write"
-        if kind == "unreachable":
+        if isinstance(e, self._slow_errors):  # a hung server: do not wait on it per call
             self._skip_until[server] = time.monotonic() + self.retry_s
         if (server, kind) not in self._failing:
             self._failing.add((server, kind))
