@@ -10,7 +10,10 @@ from .report import table
 __all__ = ["seed_table", "write_seed_report"]
 
 LABELS = {"plain": "llama-cpp plain", "nocache": "no cache", "string": "string cache",
-          "llama_ram_cache": "LlamaRAMCache", "edgekv_strict": "EdgeKV strict",
+          "llama_ram_cache": "LlamaRAMCache", "state_seq": "state_seq peer (50 lines)",
+          "llama_server": "llama-server prompt cache",
+          "llama_server_nocache": "llama-server --no-cache-prompt",
+          "edgekv_strict": "EdgeKV strict",
           "edgekv_chunk": "EdgeKV whole chunks",
           "edgekv_approx": "EdgeKV approx"}
 
@@ -38,7 +41,15 @@ def seed_table(res: dict[str, Any]) -> str:
         ])
     return table(["mode", "TTFT mean ms", "p50", "p95", "vs no cache", "total ms",
                   "hit rate", "reused/prompt tokens", "fidelity (vs)", "vs plain",
-                  "mem traffic", "energy"], rows)
+                  "mem traffic", "energy"], rows) + "\n\n" + breakdown_table(res)
+
+
+def breakdown_table(res: dict[str, Any]) -> str:
+    """Where each mode's time to the first token went (mean ms per request), and the saving
+    after it: lookup, load (a llama state or the KV inject), eval (prefill + first token)."""
+    rows = [[LABELS.get(n, n), *(f"{b[k]:.1f}" for k in ("lookup", "load", "eval", "save"))]
+            for n, m in res["modes"].items() if (b := m.get("ttft_breakdown_ms"))]
+    return table(["mode", "lookup ms", "load ms", "eval ms", "save ms (after TTFT)"], rows)
 
 
 def _plots(res: dict[str, Any], out: Path, stem: str) -> list[str]:
