@@ -15,6 +15,7 @@ the first request that reuses as much as the same prompt reused before the fault
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections import Counter
@@ -89,19 +90,33 @@ class Tally:
     lost: int = 0
     logged: Counter[str] = field(default_factory=Counter)
     muted: bool = False  # while the harness itself reads the store (its logs are not counted)
+    last_s: float = 0.0  # how long the last request took
 
     def ask(self, i: int) -> int:
         """Answer prompt `i`; return the tokens it reused (-1 if the request failed)."""
         self.requests += 1
+        t0 = time.perf_counter()
         try:
             r = self.kv.generate(self.eng.prompts[i], max_tokens=self.eng.max_tokens)
         except Exception as e:  # noqa: BLE001 - a lost request is what this counts
             log.error("request %d failed: %s", i, e)
             self.lost += 1
             return -1
+        finally:
+            self.last_s = time.perf_counter() - t0
         if list(r.tokens) != self.eng.cold[i]:
             self.wrong += 1
         return r.cached_tokens
+
+    def ask_while(self, i: int, fault: Callable[[], None], rng: random.Random) -> int:
+        """Ask prompt `i` and make `fault` happen during it: at a random point within the
+        last request's duration (a kill lands inside the request, or just after it)."""
+        killer = threading.Timer(rng.uniform(0.0, self.last_s), fault)
+        killer.start()
+        try:
+            return self.ask(i % len(self.eng.prompts))
+        finally:
+            killer.join()
 
     def pass_over(self, n: int | None = None) -> list[int]:
         m = len(self.eng.prompts)
@@ -163,6 +178,7 @@ def restart(eng: Engine, work: Path, opts: dict[str, Any]) -> dict[str, Any]:
     o = {**DEFAULTS, **opts}
     cycles = max(1, int(o.get("redis_restarts", min(int(o["kills"]), 3))))
     outage_s = float(o["duration"]) / cycles
+    rng = random.Random(o["seed"])
     srv = rs.RedisServer(work / "redis", "--appendonly", "yes", "--appendfsync", "always")
     srv.start()
     try:
@@ -173,8 +189,8 @@ def restart(eng: Engine, work: Path, opts: dict[str, Any]) -> dict[str, Any]:
             for _ in range(cycles):
                 t.pass_over()
                 want = t.ask(0)  # what prompt 0 reuses while Redis is up
-                acked = set(store.acked)
-                srv.stop(kill=True)
+                t.ask_while(1, lambda: srv.stop(kill=True), rng)  # dies mid-request
+                acked = set(store.acked)  # what it acknowledged before it died
                 t0 = time.monotonic()
                 while True:  # at least `requests` requests, at least `outage_s` seconds
                     t.pass_over(o["requests"])
@@ -187,7 +203,8 @@ def restart(eng: Engine, work: Path, opts: dict[str, Any]) -> dict[str, Any]:
                 lost += len(_unreadable(srv.url, acked, t))
         return _row("redis_restart", t, store, runs=cycles, lost_entries=lost, recovery=recovery,
                     how="redis-server (appendonly, appendfsync always) killed with SIGKILL "
-                        "mid-run, restarted on the same port and files",
+                        "at a random point of a request, restarted on the same port and files "
+                        "after the outage",
                     acked_entries=len(store.acked))
     finally:
         srv.stop()
@@ -298,11 +315,12 @@ def cluster_node_down(eng: Engine, work: Path, opts: dict[str, Any]) -> dict[str
         with counting_logs(t):
             t.pass_over()
             want = t.ask(0)
-            acked = set(store.acked)
-            owner = _owners(store, c, acked)
+            owner = _owners(store, c, store.acked)
             victim = Counter(owner.values()).most_common(1)[0][0]
+            t.ask_while(1, lambda: c.nodes[victim].stop(kill=True), random.Random(o["seed"]))
+            acked = set(store.acked)  # what the cluster acknowledged before the node died
+            owner = _owners(store, c, acked)
             on_victim = {k for k, n in owner.items() if n == victim}
-            c.nodes[victim].stop(kill=True)
             t0 = time.monotonic()
             outage_reuse = []
             while True:
@@ -319,8 +337,8 @@ def cluster_node_down(eng: Engine, work: Path, opts: dict[str, Any]) -> dict[str
                     lost_entries=len(unreadable_down - on_victim) + len(unreadable_after),
                     recovery=recovery,
                     how="3 masters, no replicas, cluster-require-full-coverage no, appendfsync "
-                        "always; the node holding the most entries killed with SIGKILL, "
-                        "restarted after the outage",
+                        "always; the node holding the most entries killed with SIGKILL at a "
+                        "random point of a request, restarted after the outage",
                     acked_entries=len(acked), unavailable_entries=len(unreadable_down & on_victim),
                     entries_on_stopped_node=len(on_victim),
                     outage_requests_with_reuse=sum(r > 0 for r in outage_reuse))
