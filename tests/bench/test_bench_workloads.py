@@ -213,3 +213,42 @@ def test_fidelity_is_against_each_systems_own_reference() -> None:
     assert {"fidelity", "fidelity_vs_plain"} <= set(res["fidelity_reference"])
     table = seed_table(res)
     assert "llama-cpp plain" in table and "vs plain" in table and "total ms" in table
+
+
+def test_rag_workload_passages_vary_in_order_and_come_from_the_pool() -> None:
+    from edgekv.bench.workload import RAG_INSTRUCTION, passages, rag_workload
+
+    pool = {t for _, t in passages()}
+    reqs = rag_workload(200, seed=5)
+    assert reqs == rag_workload(200, seed=5) and reqs != rag_workload(200, seed=6)
+    orders = defaultdict(set)
+    for r in reqs:
+        assert r.messages is not None
+        (role, system), (urole, user) = r.messages
+        assert (role, system, urole) == ("system", RAG_INSTRUCTION, "user")
+        body, question = user.removeprefix("Passages:\n").split("\n\nQuestion: ")
+        chosen = [p.split("] ", 1)[1] for p in body.split("\n\n[")]
+        assert 3 <= len(chosen) <= 6 and set(chosen) <= pool
+        assert len(set(chosen)) == len(chosen)
+        own = {t for name, t in passages() if name == r.cluster}
+        assert len(own & set(chosen)) >= 2  # the question's own document is retrieved
+        orders[r.intent].add(chosen[0])
+    # the same question comes with another first passage: what defeats a prefix cache
+    assert sum(len(o) > 1 for o in orders.values()) >= len(orders) // 2
+
+
+def test_header_workload_puts_a_dynamic_header_before_the_shared_prompt() -> None:
+    from edgekv.bench.workload import HEADER_USERS, header_workload, seed_workload
+
+    base, reqs = seed_workload(90, seed=2), header_workload(90, seed=2, days=3)
+    headers = set()
+    for b, r in zip(base, reqs):
+        assert b.messages is not None and r.messages is not None
+        header, shared = r.messages[0][1].split("\n\n", 1)
+        assert shared == b.messages[0][1] and r.messages[1:] == b.messages[1:]
+        assert any(u in header for u in HEADER_USERS) and "2026-11-0" in header
+        headers.add(header)
+    assert len({h.split(".")[0] for h in headers}) == 3  # three days
+    assert 3 < len(headers) <= 3 * len(HEADER_USERS)
+    assert load_workload("rag", requests=4)[0] == "rag"
+    assert load_workload("header", requests=4)[0] == "header"
