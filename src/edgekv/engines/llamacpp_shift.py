@@ -163,12 +163,13 @@ class LlamaCppPassages:
         state = self.adapter.read_state()
         return np.array(state.keys[layer]), np.array(state.values[layer])
 
-    def decode_at(self, tokens: Sequence[int], start: int) -> None:
-        """Evaluate `tokens` at positions start, start+1, ... in an empty context (llama.cpp
-        takes any first position there): the reference for "computed at p" in the shift
-        tests. The adapter's own token bookkeeping is left empty."""
+    def decode_at(self, tokens: Sequence[int], start: int, *, clear: bool = True) -> None:
+        """Evaluate `tokens` at positions start, start+1, ... (in an empty context, where
+        llama.cpp takes any first position, unless `clear` is False): the reference for
+        "computed at p" in the shift tests. The adapter's token bookkeeping is not kept."""
         a, lib = self.adapter, self.adapter._lib
-        a.clear_kv_cache()
+        if clear:
+            a.clear_kv_cache()
         n = len(tokens)
         batch = lib.llama_batch_init(n, 0, 1)
         try:
@@ -183,6 +184,16 @@ class LlamaCppPassages:
                 raise EngineError(f"llama_decode returned {rc}")
         finally:
             lib.llama_batch_free(batch)
+
+    def llama_shift(self, delta: int) -> None:
+        """llama.cpp's own K-shift: every cell of seq 0 moved by `delta` positions
+        (`llama_memory_seq_add`; K is re-rotated at the next decode). The reference the
+        rotation here is tested against."""
+        lib = self.adapter._lib
+        mem = lib.llama_get_memory(self.adapter._ctx)
+        if not lib.llama_memory_can_shift(mem):
+            raise UnsupportedLayout("this llama.cpp context cannot shift its KV cells")
+        lib.llama_memory_seq_add(mem, 0, -1, -1, delta)
 
     def positions_kv(self) -> tuple[np.ndarray, np.ndarray]:
         """All cells' positions and K [layer, cell, width] as llama.cpp holds them, whatever
