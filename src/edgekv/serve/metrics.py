@@ -115,8 +115,11 @@ class _StoreCollector(Collector):
         faults = CounterMetricFamily(
             "edgekv_faults", "Faults met and survived: corrupt_entry = stored entries that "
             "failed verification (read as misses); refused_injection = requests where a "
-            "fragment was refused and the prompt recomputed", labels=["kind"])
+            "fragment was refused and the prompt recomputed; store_error = store calls that "
+            "failed (disk full, read-only, no permission, backend down), answered by local "
+            "compute", labels=["kind"])
         faults.add_metric(["corrupt_entry"], sum(s.corrupt for s in tiers))
+        faults.add_metric(["store_error"], sum(s.errors for s in tiers))
         faults.add_metric(["refused_injection"], self._refused())
         yield from (size, entries, evictions, faults)
 
