@@ -60,8 +60,12 @@ class EdgeKV:
         self.router = router
         self.prefetcher = prefetcher
         self.fingerprint = adapter.fingerprint.digest
-        self.reader = ChunkReader.for_model(store, adapter.fingerprint,
-                                            self.config.layers_per_fragment)
+        # sliding-window models (`LlamaCppAdapter.window`): a hit reads the local layers of
+        # the last window's chunks only
+        win = getattr(adapter, "window", None)
+        self.reader = ChunkReader.for_model(
+            store, adapter.fingerprint, self.config.layers_per_fragment,
+            local_layers=win.swa_layers if win else (), window=win.n_swa if win else 0)
         self.probe: ProbeResult | None = None
         self.granularity_reason = "configured: reuse_granularity=chunk"
         if self.config.reuse_granularity == "auto":

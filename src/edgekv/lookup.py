@@ -94,7 +94,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class Chunk:
-    """One token range of one chain, all layers (one fragment or several layer groups)."""
+    """One token range of one chain: every layer it is needed for (one fragment, or several
+    layer groups; a chunk before the last sliding window holds only the global layers)."""
 
     chain_key: str
     fragments: tuple[KVFragment, ...]
@@ -115,21 +116,44 @@ class Chunk:
 
 
 class ChunkReader:
-    """Reads whole chunks (every layer) from a store and verifies what they claim to be."""
+    """Reads chunks from a store and verifies what they claim to be.
+
+    Models with sliding-window (local) layers: a reused prefix of P tokens needs the global
+    layers' KV for [0, P) but the local layers' only for [P - window, P). Their chunks are
+    stored in layer groups that never mix the two kinds (`local_layers`), and the chain walk
+    reads the local groups only of the chunks inside the last window: the rest of the bytes
+    stay on disk.
+    """
 
     def __init__(self, store: FragmentStore, fingerprint: str, n_layer: int,
-                 layer_groups: Sequence[tuple[int, int]]) -> None:
+                 layer_groups: Sequence[tuple[int, int]], *,
+                 local_layers: Sequence[int] = (), window: int = 0) -> None:
         self.store, self.fingerprint, self.n_layer = store, fingerprint, n_layer
         self.layer_groups = list(layer_groups)
+        self.window = window if local_layers else 0
+        local = set(local_layers)
+        self.local_groups = [(lo, hi) for lo, hi in self.layer_groups if lo in local]
+        self.global_groups = [g for g in self.layer_groups if g not in self.local_groups]
 
     @classmethod
     def for_model(cls, store: FragmentStore, fp: ModelFingerprint,
-                  layers_per_fragment: int = 0) -> ChunkReader:
+                  layers_per_fragment: int = 0, *, local_layers: Sequence[int] = (),
+                  window: int = 0) -> ChunkReader:
         """A reader of `fp`'s chunks stored in groups of `layers_per_fragment` layers (0: all
-        layers in one fragment, see `CacheConfig.layers_per_fragment`)."""
+        layers in one fragment, see `CacheConfig.layers_per_fragment`), each group split where
+        layers change between global and sliding-window (`local_layers`, of `window` tokens)."""
         step = layers_per_fragment or fp.n_layer
-        groups = [(lo, min(fp.n_layer, lo + step)) for lo in range(0, fp.n_layer, step)]
-        return cls(store, fp.digest, fp.n_layer, groups)
+        local = set(local_layers)
+        groups = []
+        for lo in range(0, fp.n_layer, step):
+            hi = min(fp.n_layer, lo + step)
+            start = lo
+            for i in range(lo + 1, hi + 1):
+                if i == hi or (i in local) != (start in local):
+                    groups.append((start, i))
+                    start = i
+        return cls(store, fp.digest, fp.n_layer, groups, local_layers=local_layers,
+                   window=window)
 
     def store_key(self, chain_key: str, lo: int, hi: int) -> StoreKey:
         return store_key(chain_key, (lo, hi), self.n_layer)
@@ -143,12 +167,15 @@ class ChunkReader:
         return self.store.contains(chain_key) or all(
             self.store.contains(k) for k in self.store_keys(chain_key))
 
-    def read(self, chain_key: str, now: float, rejections: list[str]) -> Chunk | None:
+    def read(self, chain_key: str, now: float, rejections: list[str],
+             groups: Sequence[tuple[int, int]] | None = None) -> Chunk | None:
         """The chunk stored under `chain_key`: the whole-layer fragment if present (e.g. after
-        compaction), else the configured layer groups; None if anything is missing or wrong."""
+        compaction), else the configured layer groups (or only `groups` of them); None if
+        anything is missing or wrong."""
         layouts = [[(0, self.n_layer)]]
-        if self.layer_groups != [(0, self.n_layer)]:
-            layouts.append(self.layer_groups)
+        wanted = self.layer_groups if groups is None else list(groups)
+        if wanted != [(0, self.n_layer)]:
+            layouts.append(wanted)
         for groups in layouts:
             frags: list[KVFragment] = []
             keys: list[StoreKey] = []
@@ -175,12 +202,47 @@ class ChunkReader:
         """The exact chain walk: verified chunks under `keys`, from the first until one is
         missing or refused."""
         chunks: list[Chunk] = []
+        groups = self.global_groups if self.window else None
         for key in keys:
-            chunk = self.read(key, now, rejections)
+            chunk = self.read(key, now, rejections, groups)
             if chunk is None:
                 break
             chunks.append(chunk)
-        return chunks
+        return self._with_window(chunks, now, rejections) if self.window else chunks
+
+    def _with_window(self, chunks: list[Chunk], now: float,
+                     rejections: list[str]) -> list[Chunk]:
+        """Add the local layer groups to the chunks that overlap the last `window` tokens;
+        where one is missing, the chain ends before that chunk (and its window moves back)."""
+        while chunks:
+            end, out, missing = chunks[-1].token_end, list(chunks), None
+            for i in range(len(chunks) - 1, -1, -1):
+                if chunks[i].token_end <= end - self.window:
+                    break
+                full = self._add_local(chunks[i], now, rejections)
+                if full is None:
+                    missing = i
+                    break
+                out[i] = full
+            if missing is None:
+                return out
+            chunks = chunks[:missing]
+        return []
+
+    def _add_local(self, chunk: Chunk, now: float, rejections: list[str]) -> Chunk | None:
+        if (chunk.head.layer_start, chunk.head.layer_end) == (0, self.n_layer):
+            return chunk  # a whole-layer fragment already holds them
+        local = self.read(chunk.chain_key, now, rejections, self.local_groups)
+        if local is None:
+            return None
+        try:
+            for frag in local.fragments:
+                self.verify(frag, chunk.chain_key, frag.layer_start, frag.layer_end, chunk.head)
+        except IncompatibleFragment as e:
+            rejections.append(f"{chunk.chain_key[:16]}: {e}")
+            return None
+        return replace(chunk, fragments=chunk.fragments + local.fragments,
+                       store_keys=chunk.store_keys + local.store_keys)
 
     def verify(self, frag: KVFragment, chain_key: str, lo: int, hi: int,
                 first: KVFragment | None) -> None:

@@ -54,7 +54,8 @@ def filled(adapter, tmp_path_factory):
     kv = EdgeKV(adapter, open_store(cfg), cfg)
     cold = kv.generate(prompt, max_tokens=8, keep_logits=True)  # the cache is empty: cold
     kv.store.close()
-    assert cold.cached_tokens == 0 and cold.stored_fragments == len(prompt) // 128
+    # every chunk in 6 layer groups that never mix global and local layers
+    assert cold.cached_tokens == 0 and cold.stored_fragments == 6 * (len(prompt) // 128)
     return cfg, prompt, cold
 
 
@@ -72,6 +73,7 @@ def test_warm_equals_cold_with_only_the_window_of_local_layers(adapter, filled):
     finally:
         kv.store.close()
     assert warm.cached_tokens == P and warm.computed_tokens == len(prompt) - P
+    assert warm.kv_bytes_read < P * adapter.fingerprint.kv_bytes_per_token  # window saving
     assert warm.tokens == cold.tokens
     for w, c in zip(warm.step_logits, cold.step_logits, strict=True):
         assert np.array_equal(w, c)
@@ -88,19 +90,21 @@ def test_warm_equals_cold_with_only_the_window_of_local_layers(adapter, filled):
 
 
 def test_window_saving_in_bytes(adapter, filled):
-    """Bytes of KV a P-token prefix needs, against what every layer of every token costs."""
+    """Every layer of every token is stored (a later prefix may end at any chunk); a hit on P
+    tokens reads the global layers of all of them and the local layers of the last window."""
     cfg, prompt, _ = filled
     fp, win = adapter.fingerprint, adapter.window
     row = (fp.n_embd_k + fp.n_embd_v) * 2  # f16 K + V of one layer and token
     kv = EdgeKV(adapter, open_store(cfg), cfg)
     try:
         match = kv.lookup(prompt)
+        stored = [f for k in kv.chunk_keys(prompt) for f in kv.reader.read(k, 0.0, []).fragments]
     finally:
         kv.store.close()
-    stored = sum(f.keys.nbytes + f.values.nbytes for f in match.fragments)
-    assert match.n_tokens == P and stored == P * fp.kv_bytes_per_token == P * 18 * row
-    needed = win.bytes_needed(P, row)
-    assert needed == (3 * P + 15 * 512) * row < stored
+    nbytes = lambda frags: sum(f.keys.nbytes + f.values.nbytes for f in frags)  # noqa: E731
+    assert match.n_tokens == P and len(stored) == 6 * P // 128  # 3 global + 3 local groups
+    assert nbytes(stored) == P * fp.kv_bytes_per_token == P * 18 * row
+    assert nbytes(match.fragments) == win.bytes_needed(P, row) == (3 * P + 15 * 512) * row
     assert win.bytes_needed(1536, row) / (1536 * fp.kv_bytes_per_token) < 0.5
 
 
@@ -136,8 +140,11 @@ def test_broken_entries_are_refused(adapter, filled, tmp_path):
     foreign = dataclasses.replace(frags[0], model_fingerprint="0" * 64, content_hash="")
     with pytest.raises(IncompatibleFragment, match="another model"):
         adapter.inject_fragments([foreign, *frags[1:]])
+    # the last chunk without one of its local layer groups (inside the window: needed)
+    last = [f for f in frags if f.token_end == P]
+    assert any(f.layer_start == 0 for f in last)
     with pytest.raises(IncompatibleFragment, match="lack layers"):
-        adapter.inject_fragments([frags[0].layer_slice(0, 17), *frags[1:]])
+        adapter.inject_fragments([f for f in frags if f not in last or f.layer_start != 0])
     # a truncated file on disk is a miss: reuse stops at the chunk before it
     import shutil
 
@@ -147,7 +154,7 @@ def test_broken_entries_are_refused(adapter, filled, tmp_path):
     kv2 = EdgeKV(adapter, open_store(cfg2), cfg2)
     try:
         key = kv2.chunk_keys(prompt)[2]
-        path = next(copy.rglob(f"{key}.ekv"))
+        path = next(copy.rglob(f"{key}.L5-6*"))  # chunk 2's first global layer group
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 3])
         match = kv2.lookup(prompt)
     finally:

@@ -230,7 +230,7 @@ class LlamaCppAdapter:
             raise EngineError(f"cannot extract {specs[0].token_start}..: {e}") from e
 
     def inject_fragments(self, fragments: Sequence[KVFragment], limit: int | None = None) -> int:
-        n = injection_length(fragments, self.fingerprint, limit)
+        n = injection_length(fragments, self.fingerprint, limit, self.window)
         if n > self.n_ctx:
             raise IncompatibleFragment(f"prefix of {n} tokens exceeds the context ({self.n_ctx})")
         v_trans = self._v_trans if self._v_trans is not None else self._probe_v_trans()

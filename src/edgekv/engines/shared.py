@@ -15,6 +15,7 @@ from ..errors import ConfigError, EngineError, IncompatibleFragment
 from ..fragment import KVFragment
 from ..keys import ModelFingerprint
 from .base import FragmentSpec, Generation, KVAdapter, TokenCallback
+from .window import WindowLayout
 
 __all__ = ["SequenceAdapter", "aligned_batches", "append_length", "build_fragments",
            "check_injectable", "check_prefill", "injection_length", "sample_loop",
@@ -96,9 +97,9 @@ def sample_loop(adapter: KVAdapter, logits: np.ndarray, max_tokens: int, *, temp
 
 
 def injection_length(fragments: Sequence[KVFragment], fp: ModelFingerprint,
-                     limit: int | None) -> int:
+                     limit: int | None, window: WindowLayout | None = None) -> int:
     """`check_injectable`, then the number of tokens to restore given `limit`."""
-    n = check_injectable(fragments, fp)
+    n = check_injectable(fragments, fp, window=window, until=limit)
     if limit is None:
         return n
     if not 0 < limit <= n:
@@ -117,12 +118,15 @@ def append_length(fragments: Sequence[KVFragment], fp: ModelFingerprint, held: i
 
 
 def check_injectable(fragments: Sequence[KVFragment], fp: ModelFingerprint,
-                     start: int = 0) -> int:
+                     start: int = 0, *, window: WindowLayout | None = None,
+                     until: int | None = None) -> int:
     """Check fragments form a complete range [start, n) with every layer (from 0: a prefix;
     from what the engine holds: an append); return n.
 
     Raises IncompatibleFragment naming the first problem. llama.cpp (and any engine) needs
-    every layer of every cell to resume, so a partial-layer prefix is not injectable.
+    every layer of every cell to resume, so a partial-layer prefix is not injectable; with a
+    sliding-window `window`, a token range that ends before the last window of the prefix
+    (which ends at `until`, else at n) needs only the global layers.
     """
     digest = fp.digest
     covered: dict[tuple[int, int], set[int]] = {}
@@ -159,11 +163,17 @@ def check_injectable(fragments: Sequence[KVFragment], fp: ModelFingerprint,
         if lo != pos:
             raise IncompatibleFragment(
                 f"token ranges leave a gap or overlap at {pos} (next starts at {lo})")
-        missing = set(range(fp.n_layer)) - covered[(lo, hi)]
+        pos = hi
+    end = pos if until is None else min(until, pos)
+    for (lo, hi), layers in covered.items():
+        if lo >= end:
+            continue
+        needed = (range(fp.n_layer) if window is None
+                  else [i for i in range(fp.n_layer) if window.needed_from(i, end) < hi])
+        missing = set(needed) - layers
         if missing:
             raise IncompatibleFragment(
                 f"tokens [{lo}, {hi}) lack layers {sorted(missing)[:5]}...; every layer is needed")
-        pos = hi
     return pos
 
 
