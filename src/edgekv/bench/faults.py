@@ -97,8 +97,14 @@ def new_cache_dir(path: Path, *, semantic: bool = False) -> Path:
     """A fresh cache directory at `path` holding copies of the template's engine records."""
     path.mkdir(parents=True, exist_ok=True)
     tpl = template_dir()
-    if semantic:
-        _reference(None, 2048, semantic=True)  # exports MiniLM into the template once
+    if semantic and not (tpl / "models").is_dir():
+        # MiniLM is exported to ONNX into the template once, in a child: importing usearch
+        # (the semantic index) before llama.cpp loads a model breaks the model's vocabulary
+        # load (std::bad_cast), and this process loads models after this call
+        subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; "
+                        "from edgekv.semantic import MiniLMEmbedder; "
+                        "MiniLMEmbedder(Path(sys.argv[1]))", str(tpl)],
+                       check=True, env=child_env(), capture_output=True)
     for part in _TEMPLATE_PARTS:
         if part == "models" and not semantic:
             continue
@@ -111,15 +117,15 @@ _REFS: dict[tuple[Any, ...], Any] = {}
 _COLD: dict[tuple[Any, ...], list[int]] = {}
 
 
-def _reference(model: str | None, n_ctx: int, *, semantic: bool = False) -> Any:
+def _reference(model: str | None, n_ctx: int) -> Any:
     """The in-process engine that computes cold outputs (one per model and context)."""
     from .. import open_llamacpp
     from ..config import CacheConfig
 
-    key = (model, n_ctx, semantic)
+    key = (model, n_ctx)
     if key not in _REFS:
         cfg = CacheConfig.from_env(cache_dir=template_dir())
-        _REFS[key] = open_llamacpp(model, cfg, n_ctx=n_ctx, semantic=semantic)
+        _REFS[key] = open_llamacpp(model, cfg, n_ctx=n_ctx, semantic=False)
     return _REFS[key]
 
 

@@ -5,6 +5,7 @@ privacy at rest. Each is `(workdir, options) -> row` (see `faults`)."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import random
@@ -185,12 +186,9 @@ def kill9(work: Path, o: dict[str, Any]) -> dict[str, Any]:
     """Loop `kills` times: a worker writes fragments, the index and the semantic index (saved
     after every addition); it is killed with SIGKILL at a random moment after its first
     answer; the next worker opens the store (repairing it) and must answer as a cold run."""
-    try:
-        import usearch  # noqa: F401
-
-        semantic = True
-    except ImportError:
-        semantic = False
+    # find_spec, not import: importing usearch before llama.cpp loads a model makes the
+    # model's vocabulary load fail with std::bad_cast (measured; see docs/reliability.md)
+    semantic = importlib.util.find_spec("usearch") is not None
     prompts, cold, cache, pf = _setup(work, o, semantic=semantic)
     store = cache / "store"
     env = child_env(cache, EDGEKV_INDEX_SAVE_EVERY="1")
@@ -389,6 +387,12 @@ def privacy(work: Path, o: dict[str, Any]) -> dict[str, Any]:
     old = os.umask(0o022)  # a usual umask: the code, not the umask, must make files private
     try:
         rc, ev, err = run_worker(cache, pf, o, count=len(prompts), verbose=True)
+        args = ["-v", "generate", prompts[0], "--json", "--no-semantic", "--max-tokens",
+                str(o["max_tokens"]), "--cache-dir", str(cache), "--n-ctx", str(o["n_ctx"])]
+        cli = subprocess.run(edgekv_cmd(*args + (["--model", o["model"]] if o["model"] else [])),
+                             capture_output=True, env=child_env(cache), timeout=1800)
+        err += cli.stderr.decode(errors="replace")
+        cli_ok = cli.returncode == 0 and json.loads(cli.stdout)["tokens"] == cold[0]
     finally:
         os.umask(old)
     loose = []
@@ -402,10 +406,10 @@ def privacy(work: Path, o: dict[str, Any]) -> dict[str, Any]:
     leaks = sum(err.count(n) for n in needles)
     return make_row(
         "privacy_at_rest", runs=1, requests=len(answers(ev)),
-        wrong_outputs=count_wrong(ev, cold),
-        lost_requests=int(rc != 0) + len(prompts) - len(answers(ev)), lost_entries=0,
-        recovery_s=None, how="worker with DEBUG logging under umask 022; modes walked, "
-        "stderr searched for each prompt's question",
+        wrong_outputs=count_wrong(ev, cold) + int(not cli_ok),
+        lost_requests=int(rc != 0) + len(prompts) - len(answers(ev)) + int(cli.returncode != 0),
+        lost_entries=0, recovery_s=None, how="worker with DEBUG logging and `edgekv -v "
+        "generate`, under umask 022; modes walked, stderr searched for each prompt's question",
         cache_dir_mode=f"{top:o}", loose_store_modes=loose, prompt_text_in_logs=leaks,
         log_lines=len(err.splitlines()))
 
