@@ -224,7 +224,9 @@ def cmd_kv_server(args: argparse.Namespace) -> int:
     kw = {"type_k": 0, "type_v": 0} if args.kv_type == "f32" else {}
     adapter = LlamaCppAdapter(args.model, n_ctx=args.n_ctx, memo_dir=cfg.cache_dir, **kw)
     engine = None if args.no_engine else EdgeKV(adapter, store, cfg)
-    reader = ChunkReader.for_model(store, adapter.fingerprint, cfg.layers_per_fragment)
+    reader = ChunkReader.for_model(store, adapter.fingerprint, cfg.layers_per_fragment,
+                                   local_layers=adapter.window.swa_layers,
+                                   window=adapter.window.n_swa)
     server = KVServer(store, secret, fingerprint=adapter.fingerprint.digest,
                       model=adapter.model_path.name, chunk_size=cfg.chunk_size, engine=engine,
                       reader=reader, host=args.host, port=args.port,
