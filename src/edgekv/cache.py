@@ -189,13 +189,24 @@ class EdgeKV:
         logits = a.prefill(tokens[filled.held:], align=self.prefill_align)
         prefill_traffic = a.counters.since(before).traffic_bytes(
             a.weight_bytes, a.fingerprint.kv_bytes_per_token)
-        t_first = time.perf_counter()  # choosing the first token from logits is ~20 us more
-        if self.router is not None and use_cache and text is not None and match.route is None:
-            # strict mode: the route is for reporting and indexing, off the TTFT path
-            match = match.with_route(self.router.route(text))
+        t_logits = time.perf_counter()
+        # TTFT stops where a streaming client's clock stops: at the first sampled token, as
+        # text (what llama-cpp-python's and llama-server's first streamed chunk carries)
+        first: list[float] = []
+
+        def timed(tok: int) -> bool:
+            if not first:
+                a.detokenize([tok])
+                first.append(time.perf_counter())
+            return True if on_token is None else on_token(tok)
+
         gen = a.generate(logits, max_tokens, temperature=temperature, seed=seed,
-                         keep_logits=keep_logits, top_p=top_p, on_token=on_token)
+                         keep_logits=keep_logits, top_p=top_p, on_token=timed)
         t_gen = time.perf_counter()
+        t_first = first[0] if first else t_gen  # an answer of EOS alone: its end
+        if self.router is not None and use_cache and text is not None and match.route is None:
+            # strict mode: the route is for reporting and indexing, after the answer
+            match = match.with_route(self.router.route(text))
         stored = written = 0
         # KV computed on top of reuse that was not batch-exact is not what a cold run would
         # hold, so it is never stored (it would spread the difference to later requests)
@@ -220,7 +231,7 @@ class EdgeKV:
             cached_tokens=cached, computed_tokens=len(tokens) - cached - filled.streamed - (
                 placed.reused_tokens if placed else 0),
             ttft_s=t_first - t0, total_s=t_gen - t0, lookup_s=t_lookup - t0,
-            inject_s=t_inject - t_lookup, prefill_s=t_first - t_inject,
+            inject_s=t_inject - t_lookup, prefill_s=t_logits - t_inject,
             store_s=t_end - t_gen, stored_fragments=stored,
             kv_bytes_read=sum(f.nbytes for f in match.fragments) if cached else 0,
             kv_bytes_written=written, prefill_traffic_bytes=prefill_traffic,

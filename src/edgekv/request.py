@@ -44,6 +44,9 @@ class PrefetchHook(Protocol):
 
     def observe(self, sig: str | None) -> None: ...
 
+    def drain(self) -> None:
+        """Wait until the work `observe` queued is done (benchmarks charge it to their mode)."""
+
     def close(self) -> None: ...
 
 

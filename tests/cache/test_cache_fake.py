@@ -205,3 +205,23 @@ def test_nothing_is_stored_on_top_of_inexact_fill(fake_cache):
                                      for i, k in enumerate(keys)])
     r = fake_cache.generate(tokens, max_tokens=1, fill=FromElsewhere(frags, exact=False))
     assert r.streamed_tokens == 192 and r.stored_fragments == 0
+
+
+def test_ttft_stops_at_the_first_sampled_token(fake_cache) -> None:
+    """TTFT covers lookup, inject, prefill and sampling the first token (where a streaming
+    client's clock stops), and not the tokens after it."""
+    import time
+
+    seen: list[float] = []
+
+    def on_token(tok: int) -> bool:
+        seen.append(time.perf_counter())
+        return True
+
+    t0 = time.perf_counter()
+    r = fake_cache.generate("a prompt long enough for a few tokens " * 8, max_tokens=6,
+                            on_token=on_token)
+    assert len(seen) >= 2
+    assert r.lookup_s + r.inject_s + r.prefill_s <= r.ttft_s <= r.total_s
+    assert r.ttft_s <= seen[0] - t0  # the clock stopped before the first token was handed on
+    assert r.ttft_s < seen[-1] - t0
