@@ -137,6 +137,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _llama_server(given: str | None) -> Path | None:
+    """llama.cpp's server binary for the benchmarks: the one given, else the one `make
+    llama-server` builds, if it is there (the peer is skipped, and said so, where it is not)."""
+    if given:
+        return Path(given)
+    built = Path("build/llama-server/bin/llama-server")
+    return built if built.is_file() else None
+
+
 def _run_bench(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     """Run benchmark `args.name`; its result and its table."""
 
@@ -161,8 +170,7 @@ def _run_bench(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             res = run_serve_bench(model=args.model, requests=args.requests or 40,
                                   max_tokens=args.max_tokens or 48, n_ctx=args.n_ctx,
                                   seed=args.seed, servers=servers, workdir=Path(tmp),
-                                  llama_server=Path(args.llama_server) if args.llama_server
-                                  else None)
+                                  llama_server=_llama_server(args.llama_server))
         return res, serve_table(res)
     if args.name == "seed":
         from .bench.plots import seed_table
@@ -173,7 +181,8 @@ def _run_bench(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
                                    max_tokens=args.max_tokens)
         only = tuple(m for m in args.modes.split(",") if m) if args.modes else None
         res = run_seed_bench(requests=reqs, workload=name, model=args.model, n_ctx=args.n_ctx,
-                             engine=args.engine, only=only)
+                             engine=args.engine, only=only,
+                             llama_server=_llama_server(args.llama_server))
         return res, seed_table(res)
     if args.name == "codec":
         from .bench.codec import codec_table, run_codec_bench
@@ -183,7 +192,8 @@ def _run_bench(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     if args.name == "engines":
         from .bench.engines import engines_table, run_engines_bench
 
-        res = run_engines_bench(model=args.model, engines=tuple(args.engines.split(",")))
+        res = run_engines_bench(model=args.model, engines=tuple(args.engines.split(",")),
+                                n_threads=args.threads, progress=progress)
         return res, engines_table(res)
     if args.name == "stream":
         from .bench.stream import run_stream_bench, stream_table
@@ -194,7 +204,9 @@ def _run_bench(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         res = run_stream_bench(model=args.model, bandwidths=floats(args.bandwidths),
                                rtts=floats(args.rtts),
                                contexts=tuple(int(x) for x in args.contexts.split(",")),
-                               stream_deadline_s=args.stream_deadline, progress=progress)
+                               stream_deadline_s=args.stream_deadline,
+                               repeats=max(args.runs, 5), n_threads=args.threads,
+                               progress=progress)
         return res, stream_table(res)
     if args.name == "lookup":
         from .bench.lookup import lookup_table, run_lookup_bench
@@ -206,7 +218,8 @@ def _run_bench(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 
     res = run_reuse_bench(model=args.model, runs=args.runs, context_tokens=args.context_tokens,
                           max_tokens=args.max_tokens or 16, chunk_size=args.chunk_size or 128,
-                          n_ctx=args.n_ctx, progress=progress, engine=args.engine)
+                          n_ctx=args.n_ctx, progress=progress, engine=args.engine,
+                          sweep=tuple(int(x) for x in args.sweep.split(",") if x))
     return res, reuse_table(res)
 
 
@@ -349,8 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     "serve", *PLUGGED_BENCHES])
     b.add_argument("--servers", help="serve: comma-separated servers (default: all; the cache-"
                    "off references always run)")
-    b.add_argument("--llama-server", help="serve: llama.cpp's llama-server binary "
-                   "(`make llama-server` builds it)")
+    b.add_argument("--llama-server", help="serve, seed: llama.cpp's llama-server binary "
+                   "(default: build/llama-server/bin/llama-server, which `make llama-server` "
+                   "builds, where present)")
     b.add_argument("--engines", default="llamacpp,torch,onnx",
                    help="engines: which adapters to pair")
     b.add_argument("--engine", choices=["llamacpp", "torch", "onnx"], default="llamacpp",
@@ -377,8 +391,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--budgets", help="rag: recompute budgets, comma-separated")
     b.add_argument("--runs", type=int, default=5)
     b.add_argument("--context-tokens", type=int, default=512)
+    b.add_argument("--sweep", default="300,517,777,1000",
+                   help="reuse: more context lengths (not multiples of the chunk), '' for none")
     b.add_argument("--max-tokens", type=int, help="tokens to generate (default 16; chat: 48)")
     b.add_argument("--entries", type=int, default=1000, help="lookup: vectors in the index")
+    b.add_argument("--threads", type=int,
+                   help="engines, stream: engine threads (default: all cores)")
     engine_opts(b)
     b.set_defaults(func=cmd_bench)
 
@@ -426,7 +444,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
 def _resolve_model_arg(args: argparse.Namespace) -> None:
     """`--model` names a GGUF file or a packaged model's alias (`smollm2`, `gemma3`): resolved
     here, once, to a path (a model shipped in chunks is assembled into the cache directory)."""
@@ -436,12 +453,13 @@ def _resolve_model_arg(args: argparse.Namespace) -> None:
         args.model = str(resolve_model(args.model, _config(args).cache_dir))
 
 
+def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        return int(args.func(args))
         _resolve_model_arg(args)
+        return int(args.func(args))
     except EdgeKVError as e:
         print(f"edgekv: error: {e}", file=sys.stderr)
         return 2
