@@ -8,8 +8,10 @@ output (`faults.cold_outputs`: the real engine, no cache, same run). Entries are
 when the store's `put` returned; an acknowledged entry that cannot be read afterwards is lost,
 unless the fault explains it: keys Redis reported evicting (keyspace notifications) are
 `evicted_entries`, keys on a stopped cluster node are `unavailable_entries` while it is down.
-`recovery_s` is the time from the server being back (restarted, memory freed) to the end of
-the first request that reuses as much as the same prompt reused before the fault.
+`recovery_s` is the time from the server being back (restarted; for a full Redis, from the
+first write after the memory is freed) to the store's first cache hit, provided a request then
+reuses as much as the same prompt reused before the fault (`full_reuse_s`: to the end of that
+request, engine time included).
 """
 
 from __future__ import annotations
@@ -44,15 +46,31 @@ FILL = 0.6
 
 
 class AckedRedisStore(RedisStore):
-    """A `RedisStore` that remembers the keys whose `put` returned: the acknowledged entries."""
+    """A `RedisStore` that remembers the keys whose `put` returned (the acknowledged entries)
+    and when it first served a hit after `arm()` (the recovery time's end)."""
 
     def __init__(self, url: str, **kw: Any) -> None:
         super().__init__(url, **kw)
         self.acked: set[str] = set()
+        self.first_hit: float | None = None
+        self._armed: str | None = None  # "": any hit; else only hits on that server
 
     def put(self, key: str, fragment: KVFragment) -> None:
         super().put(key, fragment)
         self.acked.add(key)
+
+    def get(self, key: str, now: float | None = None) -> KVFragment | None:
+        frag = super().get(key, now)
+        if frag is not None and self._armed is not None and (
+                not self._armed or self.server_of(key) == self._armed):
+            self.first_hit, self._armed = time.monotonic(), None
+        return frag
+
+    def arm(self, server: str = "") -> float:
+        """Start timing a recovery: now, and the time of the next hit (on `server`, if given:
+        a restarted cluster node) lands in `first_hit`."""
+        self.first_hit, self._armed = None, server
+        return time.monotonic()
 
 
 @dataclass
@@ -158,6 +176,11 @@ def _row(fault: str, t: Tally, store: RedisStore, *, runs: int, lost_entries: in
         **extra)
 
 
+def _recovery(store: AckedRedisStore, back: float, tries: int) -> float:
+    """Seconds from `back` to the store's first hit (-1: no request got its reuse back)."""
+    return store.first_hit - back if tries > 0 and store.first_hit is not None else -1.0
+
+
 def _unreadable(url: str, keys: set[str], t: Tally) -> set[str]:
     """Of `keys`, those a fresh store cannot read (verified decode) right now; its log
     records are not the run's."""
@@ -184,7 +207,7 @@ def restart(eng: Engine, work: Path, opts: dict[str, Any]) -> dict[str, Any]:
     try:
         store = AckedRedisStore(srv.url)
         t = Tally(eng, eng.make_kv(store))
-        lost, recovery = 0, []
+        lost, recovery, full_reuse = 0, [], []
         with counting_logs(t):
             for _ in range(cycles):
                 t.pass_over()
@@ -197,15 +220,17 @@ def restart(eng: Engine, work: Path, opts: dict[str, Any]) -> dict[str, Any]:
                     if time.monotonic() - t0 >= outage_s:
                         break
                 srv.start()
-                back = time.monotonic()
+                back = store.arm()
                 tries = t.until_reuse(0, want, 5 * o["requests"])
-                recovery.append(time.monotonic() - back if tries > 0 else -1.0)
+                recovery.append(_recovery(store, back, tries))
+                full_reuse.append(time.monotonic() - back if tries > 0 else -1.0)
                 lost += len(_unreadable(srv.url, acked, t))
         return _row("redis_restart", t, store, runs=cycles, lost_entries=lost, recovery=recovery,
                     how="redis-server (appendonly, appendfsync always) killed with SIGKILL "
                         "at a random point of a request, restarted on the same port and files "
                         "after the outage",
-                    acked_entries=len(store.acked))
+                    acked_entries=len(store.acked),
+                    full_reuse_s=[round(r, 3) for r in full_reuse])
     finally:
         srv.stop()
 
@@ -265,10 +290,10 @@ def full(eng: Engine, work: Path, opts: dict[str, Any]) -> dict[str, Any]:
                 refused = store.stats().errors
                 want = t.ask(len(eng.prompts) - 1)  # reuse while full (0 if never written)
                 admin.config_set("maxmemory", 0)
-                back = time.monotonic()
                 t.ask(len(eng.prompts) - 1)  # written now that there is room
+                back = store.arm()  # from its write to the first hit (the next request)
                 tries = t.until_reuse(len(eng.prompts) - 1, max(want, 1), 3)
-                recovery.append(time.monotonic() - back if tries > 0 else -1.0)
+                recovery.append(_recovery(store, back, tries))
             time.sleep(0.3)  # the last eviction notices
             stop.set()
             watcher.join()
@@ -329,9 +354,10 @@ def cluster_node_down(eng: Engine, work: Path, opts: dict[str, Any]) -> dict[str
                     break
             unreadable_down = _unreadable(c.url, acked, t)
             c.restart(victim)
-            back = time.monotonic()
+            back = store.arm(c.nodes[victim].address)  # a hit on the restarted node
             tries = t.until_reuse(0, want, 5 * o["requests"])
-            recovery = [time.monotonic() - back if tries > 0 else -1.0]
+            recovery = [_recovery(store, back, tries)]
+            full_reuse = time.monotonic() - back if tries > 0 else -1.0
             unreadable_after = _unreadable(c.url, acked, t)
         return _row("redis_cluster_node_down", t, store, runs=1,
                     lost_entries=len(unreadable_down - on_victim) + len(unreadable_after),
@@ -341,7 +367,8 @@ def cluster_node_down(eng: Engine, work: Path, opts: dict[str, Any]) -> dict[str
                         "random point of a request, restarted after the outage",
                     acked_entries=len(acked), unavailable_entries=len(unreadable_down & on_victim),
                     entries_on_stopped_node=len(on_victim),
-                    outage_requests_with_reuse=sum(r > 0 for r in outage_reuse))
+                    outage_requests_with_reuse=sum(r > 0 for r in outage_reuse),
+                    full_reuse_s=round(full_reuse, 3))
     finally:
         c.stop()
 
