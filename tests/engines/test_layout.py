@@ -51,7 +51,8 @@ def test_same_engine_yes_cross_engine_by_policy(fragment_factory):
     f = fragment_factory(n_layer=4, width=8, fingerprint=src.digest)
     assert can_inject(f, src, src).kind == "yes"
     torch_fp = ModelFingerprint(**{**BASE, "engine": "torch/2.13.0", "kv_dtype": "f32"})
-    assert can_inject(f, src, torch_fp).kind == "convert"  # enabled by measurement
+    assert can_inject(f, src, torch_fp).kind == "no"  # off: not measured identical
+    assert can_inject(f, src, torch_fp, allow={("llama.cpp", "torch"): True}).kind == "convert"
     back = convert_fragment(f, torch_fp)
     assert back.keys.dtype == np.float32 and np.array_equal(back.keys, f.keys.astype(np.float32))
     g = fragment_factory(n_layer=4, width=8, fingerprint=torch_fp.digest)

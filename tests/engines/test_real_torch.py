@@ -62,7 +62,8 @@ def test_llamacpp_fragment_converts_into_torch(engines):
     lc.clear_kv_cache()
     lc.prefill(ids, align=128)
     frags = lc.extract_fragments([FragmentSpec("a", 0, 128), FragmentSpec("b", 128, 256)])
-    assert can_inject(frags[0], lc.fingerprint, t.fingerprint).kind == "convert"
+    assert can_inject(frags[0], lc.fingerprint, t.fingerprint,
+                      allow={("llama.cpp", "torch"): True}).kind == "convert"
     assert can_inject(frags[0], t.fingerprint, lc.fingerprint).kind == "no"  # wrong source
     t.clear_kv_cache()
     cold = t.prefill(ids + q, align=128)
