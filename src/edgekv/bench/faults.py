@@ -295,7 +295,8 @@ def run_worker(cache_dir: Path, prompts_file: Path, opts: dict[str, Any], *,
     with tempfile.TemporaryFile() as err:
         proc = start_worker(cache_dir, prompts_file, opts, stderr=err, **kw)
         assert proc.stdout is not None
-        events = read_events(proc.stdout)
+        with proc.stdout:
+            events = read_events(proc.stdout)
         try:
             rc = proc.wait(timeout)
         except subprocess.TimeoutExpired:

@@ -188,6 +188,7 @@ def load_fault(work: Path, o: dict[str, Any]) -> dict[str, Any]:
     from ..serve.runner import stop_process
 
     stop_process(server)
+    server.stdout.close()
     errf.close()
     warm = [m for t, m in rss if t >= 0.25 * elapsed] or [m for _, m in rss]
     n_req = stats["good"] + stats["malformed"] + stats["disconnects"]

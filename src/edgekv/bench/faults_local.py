@@ -156,6 +156,9 @@ def concurrent(work: Path, o: dict[str, Any]) -> dict[str, Any]:
     from ..serve.runner import stop_process
 
     stop_process(server)
+    for p in [*procs, server]:
+        if p.stdout is not None:
+            p.stdout.close()
     errf.close()
     store = cache / "store"
     state = check_store(store)
@@ -213,6 +216,8 @@ def kill9(work: Path, o: dict[str, Any]) -> dict[str, Any]:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         reader.join()
+        assert proc.stdout is not None
+        proc.stdout.close()
         if not answers(ev):
             failed_starts += 1
         state = check_store(store)  # as the crash left it, before the next process repairs it
