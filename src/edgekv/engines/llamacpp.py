@@ -44,6 +44,20 @@ __all__ = ["LlamaCppAdapter"]
 
 log = logging.getLogger(__name__)
 _KV_TYPES = {0: "f32", 1: "f16"}
+# Gemma's turn format (the chat template of Google's Gemma 3 tokenizer_config.json, and
+# llama.cpp's built-in "gemma" template): the system message opens the first user turn, the
+# assistant's role is "model"
+_GEMMA_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first = messages[0]['content'] + '\n\n' -%}{%- set turns = messages[1:] -%}"
+    "{%- else -%}{%- set first = '' -%}{%- set turns = messages -%}{%- endif -%}"
+    "{{ bos_token }}"
+    "{%- for m in turns -%}"
+    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\n' }}"
+    "{{ (first if loop.first else '') + (m['content'] | trim) + '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}")
+_FAMILY_TEMPLATES = {"gemma3": _GEMMA_TEMPLATE}
 
 
 def _import_llama() -> Any:
@@ -152,8 +166,12 @@ class LlamaCppAdapter:
                 f"n_ubatch={int(p.n_ubatch)} threads={self.n_threads}")
 
     def chat_template(self) -> str | None:
+        """The GGUF's template; for an architecture whose GGUF was converted without one (the
+        packaged Gemma 3 270M), the model family's own turn format (`_FAMILY_TEMPLATES`)."""
         tpl = self._llm.metadata.get("tokenizer.chat_template")
-        return str(tpl) if tpl else None
+        if tpl:
+            return str(tpl)
+        return _FAMILY_TEMPLATES.get(self.fingerprint.architecture)
 
     def tokenize(self, text: str, *, add_bos: bool = True) -> list[int]:
         return list(self._llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=True))
