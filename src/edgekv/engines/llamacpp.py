@@ -89,8 +89,12 @@ class LlamaCppAdapter:
             raise EngineError(f"llama.cpp could not load {self.model_path}: {e}") from e
         self._ctx = self._llm.ctx  # the llama_context the C bindings take
         self._n_vocab = self._llm.n_vocab()
-        self.fingerprint = self._make_fingerprint(memo_dir)
-        self.window = window_layout(self._llm.metadata, self.fingerprint.n_layer)
+        try:
+            self.fingerprint = self._make_fingerprint(memo_dir)
+            self.window = window_layout(self._llm.metadata, self.fingerprint.n_layer)
+        except UnsupportedLayout:
+            self.close()
+            raise
         # llama-cpp-python's default: the SWA cache keeps every cell, so the whole-cache state
         # (seq -1) holds the local layers' KV of every position, for any later window
         self.swa_full = bool(getattr(self._llm.context_params, "swa_full", True))
@@ -102,7 +106,11 @@ class LlamaCppAdapter:
         # local layers hold real KV from this position on (an injection leaves the cells
         # before its last window zero); never extracted below it
         self._swa_from = 0
-        self._v_trans = self._probe_v_trans()
+        try:
+            self._v_trans = self._probe_v_trans()
+        except UnsupportedLayout:
+            self.close()
+            raise
 
     # -- identity ------------------------------------------------------------------------
 
