@@ -35,6 +35,10 @@ def _open(args: argparse.Namespace) -> EdgeKV:
         import dataclasses
 
         cfg = dataclasses.replace(cfg, approximate=True)
+    if getattr(args, "passage_reuse", False):
+        import dataclasses
+
+        cfg = dataclasses.replace(cfg, passage_reuse=True)
     try:
         return open_llamacpp(args.model, cfg, n_ctx=args.n_ctx, semantic=semantic,
                              engine=args.engine)
@@ -48,6 +52,13 @@ def _open(args: argparse.Namespace) -> EdgeKV:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    passages = None
+    if args.passage_reuse:
+        from .passages import split_passages
+
+        passages, prompt = split_passages(prompt)
+        if args.chat:
+            raise EdgeKVError("--passage-reuse does not combine with --chat yet")
     kv = _open(args)
     try:
         if args.chat:
@@ -57,7 +68,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             prompt = render_chat(kv.adapter.chat_template(),
                                  msgs + [{"role": "user", "content": prompt}])
         r = kv.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature,
-                        seed=args.seed, use_cache=not args.no_cache)
+                        seed=args.seed, use_cache=not args.no_cache, passages=passages)
     finally:
         kv.close()
         kv.adapter.close()
@@ -72,12 +83,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "cached_tokens": r.cached_tokens, "computed_tokens": r.computed_tokens,
             "ttft_ms": round(r.ttft_s * 1000, 3), "total_ms": round(r.total_s * 1000, 3),
             "stored_fragments": r.stored_fragments, "source_tiers": list(r.source_tiers),
-            "rejections": list(r.rejections), "route": route}))
+            "rejections": list(r.rejections), "route": route,
+            "passages": r.passages.as_dict() if r.passages else None}))
     else:
         print(r.text)
         tier = f" from {'/'.join(sorted(set(r.source_tiers)))}" if r.source_tiers else ""
         approx = (f", APPROXIMATE: {m.mismatched_tokens} positions hold another prompt's KV"
                   if m.approximate else "")
+        if r.passages is not None:
+            p = r.passages
+            approx += (f", PASSAGE REUSE{' (approximate)' if p.approximate else ''} "
+                       f"{p.policy}: {p.reused_tokens} of {p.passage_tokens} passage tokens "
+                       f"placed from the cache, {p.recomputed_tokens} recomputed")
         print(f"\n[route {m.tier} (similarity {m.similarity:.3f}, {m.route_s * 1000:.1f} ms) | "
               f"TTFT {r.ttft_s * 1000:.1f} ms | prompt {r.prompt_tokens} tokens: "
               f"{r.cached_tokens} reused{tier} ({m.exact_tokens} exact chain, "
@@ -348,6 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="inference engine (same GGUF weights; KV caches are kept per engine)")
     g.add_argument("--approximate", action="store_true",
                    help="inject similar prompts' KV even where tokens differ (changes output)")
+    g.add_argument("--passage-reuse", action="store_true",
+                   help="the prompt is 'passage<|passage|>passage<|passage|>question': cached "
+                   "passages are reused wherever they sit (approximate, changes output)")
     engine_opts(g)
     g.set_defaults(func=cmd_generate)
 
