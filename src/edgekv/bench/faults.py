@@ -353,7 +353,9 @@ def _worker(argv: Sequence[str]) -> int:
     emit(event="open", s=time.perf_counter() - t0)
     rng = random.Random(a.seed)
     i = 0
-    while (a.count == 0 or i < a.count) and (a.until == 0 or time.time() < a.until):
+    # `until` bounds the loop, but a worker always answers once (a loaded machine may take
+    # longer than the whole window to load the model)
+    while (a.count == 0 or i < a.count) and (a.until == 0 or time.time() < a.until or i == 0):
         idx = rng.randrange(len(prompts)) if a.order == "random" else i % len(prompts)
         r = kv.generate(prompts[idx], max_tokens=a.max_tokens)
         emit(event="answer", i=i, p=idx, tokens=list(r.tokens), cached=r.cached_tokens,

@@ -89,6 +89,14 @@ def _chmod_tree(root: Path, dmode: int, fmode: int) -> None:
 
 # -- concurrent processes on one cache directory ---------------------------------------------
 
+def _until(deadline: float) -> Iterator[int]:
+    """0, 1, 2, ... while before `deadline`, but always the first."""
+    i = 0
+    while i == 0 or time.time() < deadline:
+        yield i
+        i += 1
+
+
 def concurrent(work: Path, o: dict[str, Any]) -> dict[str, Any]:
     """Two worker loops, `edgekv serve` with a client, and a series of `edgekv generate`
     CLI processes on one cache directory for `duration` seconds."""
@@ -105,8 +113,8 @@ def concurrent(work: Path, o: dict[str, Any]) -> dict[str, Any]:
     failures: dict[str, int] = {"serve": 0, "cli": 0}
     rng = random.Random(o["seed"])
 
-    def cli_loop() -> None:
-        while time.time() < until:
+    def cli_loop() -> None:  # each loop runs at least once, then until the deadline
+        for _ in _until(until):
             i = rng.randrange(len(prompts))
             args = ["generate", prompts[i], "--json", "--no-semantic", "--max-tokens",
                     str(o["max_tokens"]), "--cache-dir", str(cache), "--n-ctx", str(o["n_ctx"])]
@@ -133,10 +141,10 @@ def concurrent(work: Path, o: dict[str, Any]) -> dict[str, Any]:
         line = server.stdout.readline().decode()
         url = line.split("listening on ", 1)[1].split()[0]
         with httpx.Client(base_url=url, timeout=600) as c:
-            while time.time() < until and c.get("/health").status_code != 200:
+            while c.get("/health").status_code != 200 and server.poll() is None:
                 time.sleep(0.5)
             model = c.get("/v1/models").json()["data"][0]["id"]
-            while time.time() < until:
+            for _ in _until(until):
                 i = rng.randrange(len(prompts))
                 r = c.post("/v1/completions", json={
                     "model": model, "prompt": prompts[i], "max_tokens": o["max_tokens"],
