@@ -14,13 +14,15 @@ call (the client's own timing, never the configured value; both are in the JSON)
 chunk's transfer. Each point runs every mode `repeats` times, the order rotated per repeat, each
 run from an empty device cache; the JSON and table give the mean, median and spread.
 
-Modes: `plain` is `EdgeKV.generate` with no streaming at all (what a device without a server
-does); `local` computes every chunk through the executor; `stream` streams every chunk (skipped
-where predicted above `stream_deadline_s`: reported as null with the prediction); `hybrid`
-plans per chunk. All of these start once the loader's background server check has finished (a
-device that keeps a session). `hybrid_new`, run where the plan is all-compute (low bandwidth),
-builds its loader right before the request: the check and session are then still under way,
-so it shows whether anything on the network sits on an all-compute request's critical path.
+Modes (the grid; a variant runs stream and hybrid, and its plain reference is the grid's:
+plain compute does not depend on the link): `plain` is `EdgeKV.generate` with no streaming at
+all (what a device without a server does); `local` (with `with_local`) computes every chunk
+through the executor; `stream` streams every chunk (skipped where predicted above
+`stream_deadline_s`: reported as null with the prediction); `hybrid` plans per chunk. All of
+these start once the loader's background server check has finished (a device that keeps a
+session). `hybrid_new`, run where the plan is all-compute (low bandwidth), builds its loader
+right before the request: the check and session are then still under way, so it shows whether
+anything on the network sits on an all-compute request's critical path.
 Energy is estimated (CPU time x power + received bytes x radio energy).
 """
 
@@ -130,7 +132,7 @@ def run_stream_bench(*, model: str | None = None,
                      rtts: tuple[float, ...] = (10, 80), contexts: tuple[int, ...] = (512,),
                      stream_deadline_s: float = 12.0, max_tokens: int = 8, repeats: int = 5,
                      variants: bool = True, variant_at: tuple[float, float] | None = None,
-                     n_threads: int | None = None,
+                     n_threads: int | None = None, with_local: bool = False,
                      progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     from ..engines.llamacpp import LlamaCppAdapter
 
@@ -163,7 +165,7 @@ def run_stream_bench(*, model: str | None = None,
                 if link.variant == "grid" or n == min(contexts)]
         for n, link in jobs:
             bench = _Point(adapter, url, secret, prompts[n], colds[n], link, base_cost, root,
-                           max_tokens)
+                           max_tokens, with_local)
             point = bench.run(repeats, stream_deadline_s)
             point["context_tokens"] = n
             points.append(point)
@@ -174,6 +176,11 @@ def run_stream_bench(*, model: str | None = None,
         proc.wait()
         adapter.close()
         tmp.cleanup()
+    for pt in points:
+        refs = [g["ttft_ms"]["plain"] for g in points if g["variant"] == "grid"
+                and g["context_tokens"] == pt["context_tokens"] and g["ttft_ms"].get("plain")]
+        if "plain" not in pt["ttft_ms"] and refs:
+            pt["plain_ref_ms"] = round(statistics.fmean(refs), 1)
     return {"bench": "stream", "points": points, "stream_deadline_s": stream_deadline_s,
             "repeats": repeats, "order": "modes rotated by one place per repeat",
             "threads": adapter.n_threads,
@@ -195,12 +202,13 @@ class _Point:
 
     def __init__(self, adapter: Any, url: str, secret: bytes, prompt: list[int],
                  cold: tuple[Any, Any], link: Link, base_cost: CostModel, root: Path,
-                 max_tokens: int) -> None:
+                 max_tokens: int, with_local: bool = False) -> None:
         self.adapter, self.url, self.secret, self.prompt = adapter, url, secret, prompt
         self.cold, self.link, self.root, self.max_tokens = cold, link, root, max_tokens
         self.n_chunks = (len(prompt) - 1) // 128
         self.tag = f"{link.variant}-{link.bandwidth_mbps}-{link.rtt_ms}-{len(prompt)}"
         self.rtts_ms: list[float] = []
+        self.with_local = with_local
         self.cost, self.chunk_wire = self._measure(base_cost)
 
     def _client(self, seed: int) -> KVClient:
@@ -241,10 +249,12 @@ class _Point:
         return self.link.rtt_ms / 1000 + self.n_chunks * self.chunk_wire * 8 / (bw * 1e6)
 
     def run(self, repeats: int, deadline: float) -> dict[str, Any]:
-        # variants: plain local compute is the local reference (the executor's chunk-by-chunk
-        # `local` is measured on the grid)
-        modes = (["plain", "local", "stream", "hybrid"] if self.link.variant == "grid"
-                 else ["plain", "stream", "hybrid"])
+        # plain local compute does not depend on the link: variants compare with the grid's
+        # (`plain_ref_ms`); `local` (the executor's chunk-by-chunk compute) runs with `local`
+        modes = (["plain", "stream", "hybrid"] if self.link.variant == "grid"
+                 else ["stream", "hybrid"])
+        if self.with_local and self.link.variant == "grid":
+            modes.insert(1, "local")
         all_compute = (self.link.variant == "grid"
                        and self.link.bandwidth_mbps <= ALL_COMPUTE_MAX_MBPS)
         if all_compute:
@@ -383,10 +393,11 @@ def stream_table(res: dict[str, Any]) -> str:
     rows = []
     for p in res["points"]:
         t = p["ttft_ms"]
-        best_pure = min(x for x in (t.get("local"), t.get("stream"), t.get("plain"))
-                        if x is not None)
+        best_pure = min(x for x in (t.get("local"), t.get("stream"),
+                                    t.get("plain") or p.get("plain_ref_ms")) if x is not None)
         rows.append([p["context_tokens"], p.get("variant", "grid"), p["bandwidth_mbps"],
-                     p["rtt_ms"], p.get("rtt_measured_ms", ""), _cell(p, "plain"),
+                     p["rtt_ms"], p.get("rtt_measured_ms", ""),
+                     _cell(p, "plain") or f"(grid: {p.get('plain_ref_ms', 0):.0f})",
                      _cell(p, "local"), _cell(p, "stream"), _cell(p, "hybrid"),
                      "/".join(p.get("plans", [p.get("plan", "")])),
                      " ".join(sorted(set(p.get("executed", [])))),
