@@ -103,15 +103,21 @@ def test_stopped_node_loses_only_its_slots_logged_once(tmp_path, caplog):
         victim = c.nodes[1]
         on_victim = {k for k in keys if s.server_of(k) == victim.address}
         assert on_victim
+        # a parent on a live node whose successor lives on the victim
+        parent = next(k for k in keys if k not in on_victim)
+        child = next(k for k in on_victim)
+        s.put(child + ".L0-4", frag(child, parent))
         victim.stop(kill=True)
         with caplog.at_level(logging.WARNING, logger="edgekv.store.redis"):
             for _ in range(3):
                 got = {k for k in keys if s.get(k) is not None}
                 assert got == set(keys) - on_victim  # the others still serve theirs
+                assert s.children(parent) == []  # unreadable now, but not forgotten:
         assert len([r for r in caplog.records if r.name == "edgekv.store.redis"]) == 1
         assert s.stats().errors >= 3 * len(on_victim)
         c.restart(1)  # its append-only file brings its keys back
         assert all(s.get(k) is not None for k in keys)
+        assert [k for k, _ in s.children(parent)] == [child + ".L0-4"]  # listed again
 
 
 def test_node_down_row_on_the_fake_engine(tmp_path):

@@ -109,6 +109,7 @@ class Tally:
     logged: Counter[str] = field(default_factory=Counter)
     muted: bool = False  # while the harness itself reads the store (its logs are not counted)
     last_s: float = 0.0  # how long the last request took
+    after: list[int] = field(default_factory=list)  # tokens reused by `until_reuse`'s asks
 
     def ask(self, i: int) -> int:
         """Answer prompt `i`; return the tokens it reused (-1 if the request failed)."""
@@ -142,8 +143,10 @@ class Tally:
 
     def until_reuse(self, i: int, want: int, tries: int) -> int:
         """Ask prompt `i` until it reuses `want` tokens; how many asks that took (or -1)."""
+        self.after = []
         for t in range(tries):
-            if self.ask(i) >= want:
+            self.after.append(self.ask(i))
+            if self.after[-1] >= want:
                 return t + 1
         return -1
 
@@ -368,6 +371,7 @@ def cluster_node_down(eng: Engine, work: Path, opts: dict[str, Any]) -> dict[str
                     acked_entries=len(acked), unavailable_entries=len(unreadable_down & on_victim),
                     entries_on_stopped_node=len(on_victim),
                     outage_requests_with_reuse=sum(r > 0 for r in outage_reuse),
+                    reuse_before=want, reuse_after=t.after,
                     full_reuse_s=round(full_reuse, 3))
     finally:
         c.stop()

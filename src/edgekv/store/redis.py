@@ -254,9 +254,12 @@ class RedisStore(FragmentStore):
         out = []
         for k, tok in rows.items():
             key = k.decode()
-            if self.contains(key):  # entries that expired or were evicted drop out here
+            held = self._call("contains", key, partial(self._r.exists, self._k("frag", key)),
+                              None)
+            if held:
                 out.append((key, np.frombuffer(tok, dtype="<i4")))
-            else:
+            elif held is not None:  # expired or evicted: dropped from the list; but not when
+                # its node could not say (a cluster node down): it is back with the node
                 self._call("children", parent or "_root", partial(self._r.hdel, hkey, k), None)
         return out
 
