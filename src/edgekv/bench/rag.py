@@ -143,6 +143,7 @@ def _kl(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
 def run_rag_bench(*, requests: int = 30, budgets: str = DEFAULT_BUDGETS, seed: int = 0,
                   max_tokens: int = 32, model: str | None = None, n_ctx: int = 2048,
                   chunk_size: int | None = None, cache_dir: str | None = None,
+                  threads: int | None = None,
                   progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     from .. import CacheConfig, EdgeKV, open_store
     from ..config import default_cache_dir
@@ -150,7 +151,7 @@ def run_rag_bench(*, requests: int = 30, budgets: str = DEFAULT_BUDGETS, seed: i
     from ..passages import PassagePolicy
 
     say = progress or (lambda _m: None)
-    adapter = LlamaCppAdapter(model, n_ctx=n_ctx)
+    adapter = LlamaCppAdapter(model, n_ctx=n_ctx, n_threads=threads)
     work = Path(tempfile.mkdtemp(prefix="edgekv-rag-"))
     probes = [Path(cache_dir or default_cache_dir()) / "probes"]
     kvs: list[Any] = []
@@ -207,6 +208,7 @@ def run_rag_bench(*, requests: int = 30, budgets: str = DEFAULT_BUDGETS, seed: i
         res = {
             "benchmark": "rag", "environment": environment(),
             "model": str(adapter.model_path.name), "engine": adapter.build_info(),
+            "threads": adapter.n_threads,
             "granularity": strict.granularity, "requests": requests, "seed": seed,
             "max_tokens": max_tokens, "answer_tokens": ANSWER_TOKENS,
             "pool": [{"module": p["module"], "tokens": len(adapter.tokenize(p["text"],
@@ -366,7 +368,7 @@ def run_cli(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         seed=getattr(args, "seed", 0) or 0, max_tokens=getattr(args, "max_tokens", None) or 32,
         model=getattr(args, "model", None), n_ctx=getattr(args, "n_ctx", None) or 2048,
         chunk_size=getattr(args, "chunk_size", None),
-        cache_dir=getattr(args, "cache_dir", None),
+        cache_dir=getattr(args, "cache_dir", None), threads=getattr(args, "threads", None),
         progress=lambda m: print(f"  {m}", file=sys.stderr, flush=True))
     out = Path(getattr(args, "json", None) or "bench-out/rag.json")
     out.parent.mkdir(parents=True, exist_ok=True)
