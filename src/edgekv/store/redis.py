@@ -17,7 +17,7 @@ slot. On a single Redis the tags are plain characters.
 Redis is a cache under every request, never a dependency of it: a failed call is a miss (or a
 `StoreError` from `put`, which the writeback logs and drops), the request computes locally.
 The first failure of an outage is logged once, the rest are counted in `stats().errors`
-until a call succeeds again. A stopped server refuses connections at once, so every call tries
+until a call succeeds again; a refused write (a full Redis) is logged once per kind of refusal. A stopped server refuses connections at once, so every call tries
 it (and the first after a restart succeeds); a hung one (a timeout) is not tried again for
 `retry_s`, so it costs one timeout per `retry_s`, not one per call.
 """
@@ -107,7 +107,7 @@ class RedisStore(FragmentStore):
         self.where = redact(url)  # the single server's name in logs (no password)
         self._stats = StoreStats(tier="redis")
         self._listeners: list[Callable[[str], None]] = []
-        self._failing: set[tuple[str, str]] = set()  # (server, "unreachable" | "write")
+        self._failing: set[tuple[str, str]] = set()  # (server, "unreachable" | error type)
         self._skip_until: dict[str, float] = {}  # server -> monotonic time of the next try
         self._last_size = (0, 0)
 
@@ -148,20 +148,22 @@ class RedisStore(FragmentStore):
         kind = "unreachable" if isinstance(e, self._down_errors) else "write"
         if isinstance(e, self._slow_errors):  # a hung server: do not wait on it per call
             self._skip_until[server] = time.monotonic() + self.retry_s
-        if (server, kind) not in self._failing:
-            self._failing.add((server, kind))
+        # an outage is logged once until the server answers again; a refusal (a full Redis
+        # under noeviction, a fragment larger than allkeys-lru can make room for) once per
+        # kind for the store's life: small writes passing between big ones would flap it
+        episode = (server, "unreachable" if kind == "unreachable" else type(e).__name__)
+        if episode not in self._failing:
+            self._failing.add(episode)
             log.warning("redis store: %s %s on %s failed (%s: %s); requests compute locally, "
-                        "further errors are counted in stats().errors, not logged, until %s",
+                        "further errors are counted in stats().errors, not logged%s",
                         op, (key or "")[:16], server, type(e).__name__, e,
-                        "it is reachable again" if kind == "unreachable" else "a write succeeds")
+                        " until it is reachable again" if kind == "unreachable" else "")
 
-    def _ok(self, server: str, write: bool = False) -> None:
-        for kind in ("unreachable", "write") if write else ("unreachable",):
-            if (server, kind) in self._failing:
-                self._failing.discard((server, kind))
-                log.info("redis store: %s works again (%s; %d errors so far)", server,
-                         "writes accepted" if kind == "write" else "reachable",
-                         self._stats.errors)
+    def _ok(self, server: str) -> None:
+        if (server, "unreachable") in self._failing:
+            self._failing.discard((server, "unreachable"))
+            log.info("redis store: %s is reachable again (%d errors so far)", server,
+                     self._stats.errors)
 
     def _call(self, op: str, key: str | None, fn: Callable[[], Any], default: Any) -> Any:
         """`fn()`, or `default` if Redis fails (logged once, counted) or is being skipped."""
@@ -224,7 +226,7 @@ class RedisStore(FragmentStore):
         parent = fragment.parent_key or "_root"
         try:
             p.execute()
-            self._ok(server, write=True)
+            self._ok(server)
             server = self.server_of(parent)
             self._r.hset(self._k("children", parent), key,
                          fragment.token_ids.astype("<i4").tobytes())
