@@ -118,7 +118,7 @@ def _links(bandwidths: tuple[float, ...], rtts: tuple[float, ...], variants: boo
                 Link(bw, rtt, "loss", loss=0.02),
                 Link(bw, rtt, "prior x4", prior_factor=4.0),
                 Link(bw, rtt, "prior /4", prior_factor=0.25),
-                Link(bw * 3, rtt, "drop 10x", drop_to_mbps=bw * 0.3)]
+                Link(round(bw * 3, 2), rtt, "drop 10x", drop_to_mbps=round(bw * 0.3, 3))]
     return out
 
 
@@ -391,22 +391,25 @@ def _cell(p: dict[str, Any], m: str) -> str:
 
 def stream_table(res: dict[str, Any]) -> str:
     rows = []
+    with_local = any("local" in p["ttft_ms"] for p in res["points"])
     for p in res["points"]:
         t = p["ttft_ms"]
         best_pure = min(x for x in (t.get("local"), t.get("stream"),
                                     t.get("plain") or p.get("plain_ref_ms")) if x is not None)
-        rows.append([p["context_tokens"], p.get("variant", "grid"), p["bandwidth_mbps"],
+        rows.append([p["context_tokens"], p.get("variant", "grid"), f"{p['bandwidth_mbps']:.4g}",
                      p["rtt_ms"], p.get("rtt_measured_ms", ""),
                      _cell(p, "plain") or f"(grid: {p.get('plain_ref_ms', 0):.0f})",
-                     _cell(p, "local"), _cell(p, "stream"), _cell(p, "hybrid"),
+                     *([_cell(p, "local")] if with_local else []), _cell(p, "stream"),
+                     _cell(p, "hybrid"),
                      "/".join(p.get("plans", [p.get("plan", "")])),
                      " ".join(sorted(set(p.get("executed", [])))),
                      f"{best_pure / t['hybrid']:.2f}x", p["fidelity"]])
     head = (f"TTFT ms over {res.get('repeats', 1)} repeats per mode ({res.get('order', '')}): "
             "mean (median, min-max, stdev). Setup: " + res.get("setup", SETUP_NOTE) + ".")
-    out = [head, "", table(["ctx", "link", "Mbit/s", "RTT ms", "RTT measured", "plain",
-                            "local", "stream", "hybrid", "plan", "executed",
-                            "hybrid vs best pure", "fidelity"], rows)]
+    cols = ["ctx", "link", "Mbit/s", "RTT ms", "RTT measured", "plain",
+            *(["local"] if with_local else []), "stream", "hybrid", "plan", "executed",
+            "hybrid vs best pure", "fidelity"]
+    out = [head, "", table(cols, rows)]
     ac = res.get("all_compute_vs_local") or []
     if ac:
         rows2 = [[a["context_tokens"], a["bandwidth_mbps"], a["rtt_ms"], "/".join(a["plans"] or []),
