@@ -3,13 +3,17 @@
     b"EKVF" | u16 version | u32 header length | header (JSON) | tensors | SHA-256 of all before
 
 The trailing digest covers every byte, so truncation, bit flips and a swapped header are all
-caught on read and surface as `CorruptEntry` (which stores turn into a logged miss).
+caught on read and surface as `CorruptEntry` (which stores turn into a logged miss). An entry
+whose digest is right is still not trusted: the header's length, JSON, tensor table (offsets,
+dtypes, shapes) and field types are all checked before an array is made, and `CorruptEntry` is
+the only error any input can raise.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import struct
 
 import numpy as np
@@ -29,6 +33,13 @@ _SCALARS = (
     "parent_key", "head_start", "head_end",
 )
 _ARRAYS = ("token_ids", "keys", "values", "embedding")
+_STRS = ("model_fingerprint", "chain_key", "content_hash", "parent_key")
+_FLOATS = ("created_at", "expires_at")
+_INT_LIMIT = 1 << 31  # token positions, layer and head indices and hit counts fit in int32
+# the dtypes `pack` writes (KV, quantized KV and its scales, token ids, embeddings)
+_DTYPES = frozenset({"f2", "f4", "f8", "i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8"})
+_ARRAY_DTYPES = {"token_ids": ("i4",), "keys": ("f2", "f4"), "values": ("f2", "f4"),
+                 "embedding": ("f2", "f4")}
 
 
 def pack(header: dict[str, object], arrays: dict[str, np.ndarray | None]) -> bytes:
@@ -50,6 +61,10 @@ def pack(header: dict[str, object], arrays: dict[str, np.ndarray | None]) -> byt
     return body + hashlib.sha256(body).digest()
 
 
+def _is_int(v: object) -> bool:
+    return type(v) is int  # noqa: E721 - bool is an int too, and never a size
+
+
 def unpack(blob: bytes | memoryview) -> tuple[dict[str, object], dict[str, np.ndarray]]:
     """Inverse of `pack`; raises CorruptEntry on any damage."""
     header, payload = _split(blob)
@@ -57,15 +72,21 @@ def unpack(blob: bytes | memoryview) -> tuple[dict[str, object], dict[str, np.nd
     if not isinstance(tensors, dict):
         raise CorruptEntry("header.tensors is not an object")
     arrays: dict[str, np.ndarray] = {}
-    try:
-        for name, meta in tensors.items():
-            off, n = int(meta["offset"]), int(meta["nbytes"])
-            if off < 0 or off + n > len(payload):
-                raise CorruptEntry(f"tensor {name} lies outside the entry")
-            arr = np.frombuffer(payload[off : off + n], dtype=np.dtype("<" + meta["dtype"]))
-            arrays[name] = arr.reshape(meta["shape"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise CorruptEntry(f"malformed tensor table: {e!r}") from None
+    for name, meta in tensors.items():
+        if not isinstance(meta, dict):
+            raise CorruptEntry(f"tensor {name[:40]!r}: its entry is not an object")
+        off, n, dt, shape = (meta.get(k) for k in ("offset", "nbytes", "dtype", "shape"))
+        if not (_is_int(off) and _is_int(n) and isinstance(dt, str) and dt in _DTYPES
+                and isinstance(shape, list) and len(shape) <= 8
+                and all(_is_int(d) and 0 <= d < _INT_LIMIT for d in shape)):
+            raise CorruptEntry(f"tensor {name[:40]!r}: malformed offset, size, dtype or shape")
+        dtype = np.dtype("<" + dt)
+        assert isinstance(off, int) and isinstance(n, int)
+        if off < 0 or n < 0 or off + n > len(payload):
+            raise CorruptEntry(f"tensor {name[:40]!r} lies outside the entry")
+        if math.prod(shape) * dtype.itemsize != n:
+            raise CorruptEntry(f"tensor {name[:40]!r}: shape {shape} of {dt} is not {n} bytes")
+        arrays[name] = np.frombuffer(payload[off : off + n], dtype=dtype).reshape(shape)
     return header, arrays
 
 
@@ -74,12 +95,32 @@ def encode_fragment(frag: KVFragment) -> bytes:
                 {name: getattr(frag, name) for name in _ARRAYS})
 
 
+def _check_scalars(header: dict[str, object]) -> None:
+    """Every scalar present and of its type: strings, finite times, int32-sized integers."""
+    for name in _SCALARS:
+        if name not in header:
+            raise CorruptEntry(f"malformed entry header: {name} is missing")
+        v = header[name]
+        if name in _STRS:
+            ok = isinstance(v, str)
+        elif name in _FLOATS:
+            ok = ((isinstance(v, float) and math.isfinite(v))
+                  or (_is_int(v) and abs(v) < 1 << 53))  # type: ignore[arg-type]
+        else:
+            ok = _is_int(v) and -_INT_LIMIT < v < _INT_LIMIT  # type: ignore[operator]
+        if not ok:
+            raise CorruptEntry(f"malformed entry header: {name} is {type(v).__name__}")
+
+
 def fragment_from_parts(header: dict[str, object], arrays: dict[str, np.ndarray]) -> KVFragment:
+    _check_scalars(header)
     try:
         kwargs: dict[str, object] = {name: header[name] for name in _SCALARS}
         for name, arr in arrays.items():
             if name not in _ARRAYS:
-                raise CorruptEntry(f"unknown tensor {name!r}")
+                raise CorruptEntry(f"unknown tensor {name[:40]!r}")
+            if arr.dtype.str.lstrip("<>|=") not in _ARRAY_DTYPES[name]:
+                raise CorruptEntry(f"tensor {name} has dtype {arr.dtype}")
             kwargs[name] = arr
         return KVFragment(**kwargs)  # type: ignore[arg-type]
     except FragmentError as e:
@@ -105,13 +146,19 @@ def _split(blob: bytes | memoryview) -> tuple[dict[str, object], memoryview]:
     if hashlib.sha256(body).digest() != bytes(digest):
         raise CorruptEntry("checksum mismatch (entry damaged or truncated)")
     start = _PREFIX.size
+    if head_len > len(body) - start:
+        raise CorruptEntry(f"header length {head_len} runs past the entry ({len(body)} bytes)")
     try:
-        header = json.loads(bytes(view[start : start + head_len]))
-    except ValueError as e:
-        raise CorruptEntry(f"undecodable header: {e}") from None
+        header = json.loads(bytes(view[start : start + head_len]), parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:  # RecursionError: absurdly nested JSON
+        raise CorruptEntry(f"undecodable header: {str(e)[:80]}") from None
     if not isinstance(header, dict):
         raise CorruptEntry("header is not an object")
     return header, body[start + head_len :]
+
+
+def _no_constant(name: str) -> object:
+    raise ValueError(f"{name} is not a number EdgeKV writes")
 
 
 def peek_header(blob: bytes | memoryview) -> dict[str, object]:

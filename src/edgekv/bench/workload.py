@@ -267,25 +267,36 @@ class ChatHistory:
 
 
 def load_jsonl(path: str | Path, *, default_max_tokens: int = SEED_MAX_TOKENS) -> list[Request]:
-    """One JSON object per line: `prompt` (string, required), optional `cluster`, `max_tokens`."""
+    """One JSON object per line: `prompt` (string, required), optional `cluster`, `max_tokens`.
+    Any defect of the file (not UTF-8, a line that is not a JSON object, a prompt that is not
+    text) is a ConfigError naming the line."""
     p = Path(path)
     out = []
     try:
-        lines = p.read_text(encoding="utf-8").splitlines()
+        # lines end at "\n" only: JSON strings may hold U+2028 and friends, which
+        # str.splitlines would take for line ends
+        lines = p.read_bytes().decode("utf-8").split("\n")
     except OSError as e:
         raise ConfigError(f"cannot read workload {p}: {e}") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             obj = json.loads(line)
-        except ValueError as e:
-            raise ConfigError(f"{p}:{n}: not valid JSON ({e})") from None
+        except (ValueError, RecursionError) as e:  # RecursionError: absurdly nested JSON
+            raise ConfigError(f"{p}:{n}: not valid JSON ({str(e)[:80]})") from None
         if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
             raise ConfigError(f"{p}:{n}: each line needs a non-empty string field 'prompt'")
+        try:
+            obj["prompt"].encode("utf-8")
+        except UnicodeEncodeError:
+            raise ConfigError(f"{p}:{n}: the prompt holds a lone surrogate (\\ud800-\\udfff), "
+                              "which is no text") from None
         mt = obj.get("max_tokens", default_max_tokens)
-        if not isinstance(mt, int) or mt < 1:
-            raise ConfigError(f"{p}:{n}: max_tokens must be a positive integer, got {mt!r}")
+        if type(mt) is not int or mt < 1:  # bool is an int, but true is no token count
+            raise ConfigError(f"{p}:{n}: max_tokens must be a positive integer, got {mt!r:.40}")
         cluster = str(obj.get("cluster", "unlabelled"))
         out.append(Request(None, obj["prompt"], cluster, obj["prompt"], mt))
     if not out:

@@ -11,7 +11,12 @@ Quantized levels change the KV and therefore the output; their cost is measured 
 benchmark and they are never used unless asked for.
 
 Encryption: AES-256-GCM with a per-session key; the associated data binds a frame to its
-session and chunk key, so a tampered, truncated or swapped frame fails authentication.
+session, request and chunk key (`protocol.aad`), so a tampered, truncated, swapped or replayed
+frame fails authentication.
+
+Decoding never trusts a length or shape field: the zstd frame is decompressed in steps up to a
+bound (`max_plain_bytes`: never more than 32x the compressed size, a ratio KV never reaches),
+and every array's shape is checked against the others before anything is computed from it.
 """
 
 from __future__ import annotations
@@ -25,10 +30,14 @@ from ..errors import ChunkRejected, ConfigError, CorruptEntry
 from ..fragment import KVFragment
 from ..serial import fragment_from_parts, fragment_header, pack, unpack
 
-__all__ = ["LEVELS", "SessionCipher", "decode_chunk", "derive_session_key", "encode_chunk",
-           "quantize_error"]
+__all__ = ["LEVELS", "SessionCipher", "decode_chunk", "derive_session_keys", "encode_chunk",
+           "max_plain_bytes", "quantize_error"]
 
 LEVELS = ("f16", "int8", "int4")
+MAX_CHUNK_BYTES = 1 << 30  # a decompressed chunk is never larger than this
+MAX_RATIO = 32  # nor this many times its compressed size (f16 KV compresses < 2x) ...
+MIN_BOUND = 16 << 20  # ... unless it is this small
+F16_LIMIT = 65519.0  # the largest magnitude that still rounds to a finite float16
 
 
 def _q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -39,6 +48,14 @@ def _q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _dq8(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    if (q.dtype != np.int8 or q.ndim != 3 or scale.dtype != np.float32
+            or scale.shape != (q.shape[0], 1, q.shape[2])):
+        raise ChunkRejected(f"int8 chunk: values {q.dtype}{q.shape} and scales "
+                            f"{scale.dtype}{scale.shape} do not match")
+    with np.errstate(over="ignore", invalid="ignore"):
+        ok = np.all(np.abs(scale) * 127 <= F16_LIMIT)  # inf and NaN fail too
+    if not ok:
+        raise ChunkRejected("int8 chunk: a scale is not finite or overflows float16")
     return (q.astype(np.float32) * scale).astype(np.float16)
 
 
@@ -56,6 +73,19 @@ def _q4(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def _dq4(packed: np.ndarray, lo: np.ndarray, step: np.ndarray,
          shape: tuple[int, ...]) -> np.ndarray:
+    if len(shape) != 3 or not all(1 <= d <= 1 << 31 for d in shape):
+        raise ChunkRejected(f"int4 chunk: shape {shape} is not 3 positive sizes")
+    n = shape[0] * shape[1] * shape[2]
+    side = (shape[0], 1, shape[2])
+    if (packed.dtype != np.uint8 or packed.ndim != 1 or packed.size != (n + 1) // 2
+            or lo.dtype != np.float32 or step.dtype != np.float32
+            or lo.shape != side or step.shape != side):
+        raise ChunkRejected(f"int4 chunk: {packed.size} packed bytes, bounds {lo.shape} and "
+                            f"{step.shape} do not fit shape {shape}")
+    with np.errstate(over="ignore", invalid="ignore"):  # inf/NaN are refused just below
+        ok = np.all(np.abs(lo) + 15 * np.abs(step) <= F16_LIMIT)
+    if not ok:
+        raise ChunkRejected("int4 chunk: a bound is not finite or overflows float16")
     q = np.empty(packed.size * 2, np.uint8)
     q[0::2], q[1::2] = packed & 0x0F, packed >> 4
     out = q[: int(np.prod(shape))].reshape(shape)
@@ -85,13 +115,39 @@ def encode_chunk(frag: KVFragment, level: str = "f16", *, zstd_level: int = 3) -
     return zstandard.ZstdCompressor(level=zstd_level).compress(pack(header, arrays))
 
 
-def decode_chunk(data: bytes) -> KVFragment:
+def max_plain_bytes(compressed: int) -> int:
+    """The most a chunk of `compressed` bytes may decompress to."""
+    return min(MAX_CHUNK_BYTES, max(MIN_BOUND, MAX_RATIO * compressed))
+
+
+def _decompress(data: bytes) -> bytes:
+    """One zstd frame, decompressed in 1 MiB steps up to `max_plain_bytes`: neither a
+    declared content size nor a decompression bomb makes us allocate more."""
     import zstandard
 
+    limit = max_plain_bytes(len(data))
     try:
-        raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=1 << 30)
+        declared = zstandard.get_frame_parameters(data).content_size
+        if declared != zstandard.CONTENTSIZE_UNKNOWN and declared > limit:
+            raise ChunkRejected(f"chunk declares {declared} bytes, over its {limit}-byte bound")
+        parts, size = [], 0
+        with zstandard.ZstdDecompressor().stream_reader(data) as r:
+            while part := r.read(1 << 20):
+                size += len(part)
+                if size > limit:
+                    raise ChunkRejected(f"chunk decompresses past its {limit}-byte bound")
+                parts.append(part)
+    except zstandard.ZstdError as e:
+        raise ChunkRejected(f"chunk does not decompress: {e}") from None
+    return b"".join(parts)
+
+
+def decode_chunk(data: bytes) -> KVFragment:
+    """The fragment in a chunk; ChunkRejected (and nothing else) for any damage."""
+    raw = _decompress(data)
+    try:
         header, arrays = unpack(raw)
-    except (zstandard.ZstdError, CorruptEntry) as e:
+    except CorruptEntry as e:
         raise ChunkRejected(f"chunk does not decode: {e}") from None
     level = header.pop("codec", None)
     parts = {k: v for k, v in arrays.items() if k in ("token_ids", "embedding")}
@@ -103,8 +159,11 @@ def decode_chunk(data: bytes) -> KVFragment:
                 parts[name] = _dq8(arrays[f"{name}_q"], arrays[f"{name}_scale"])
         elif level == "int4":
             for name in ("keys", "values"):
-                spec: Any = header.pop(f"{name}_shape")  # malformed: TypeError, below
-                shape = tuple(int(x) for x in spec)
+                spec: Any = header.pop(f"{name}_shape")
+                if not isinstance(spec, list) or not all(
+                        type(x) is int for x in spec):  # noqa: E721 - bool is no size
+                    raise ChunkRejected(f"int4 chunk: {name}_shape is not a list of sizes")
+                shape = tuple(spec)
                 parts[name] = _dq4(arrays[f"{name}_q"], arrays[f"{name}_lo"],
                                    arrays[f"{name}_step"], shape)
         else:
@@ -148,11 +207,14 @@ class SessionCipher:
                 "chunk failed authentication (tampered, truncated or misplaced)") from None
 
 
-def derive_session_key(secret: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
-    """HKDF-SHA256 over a pre-shared secret and both sides' nonces: a fresh key per session."""
+def derive_session_keys(secret: bytes, client_nonce: bytes,
+                        server_nonce: bytes) -> tuple[bytes, bytes]:
+    """HKDF-SHA256 over a pre-shared secret and both sides' nonces: fresh keys per session,
+    (AES-256-GCM key for chunks, HMAC key for requests)."""
     from cryptography.hazmat.primitives import hashes
     from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-    return HKDF(algorithm=hashes.SHA256(), length=32, salt=client_nonce + server_nonce,
-                info=b"edgekv-session-v1").derive(secret)
+    keys = HKDF(algorithm=hashes.SHA256(), length=64, salt=client_nonce + server_nonce,
+                info=b"edgekv-session-v2").derive(secret)
+    return keys[:32], keys[32:]
 
