@@ -83,7 +83,7 @@ def chat(adapter, turns: list[tuple[str, str]]) -> str:
 
 def test_probe_runs_once_and_is_recorded(kv, tmp_path):
     p = kv.probe
-    assert p is not None and p.sensitivity > 0 and p.seconds < 30
+    assert p is not None and p.sensitivity > 0 and p.seconds > 0
     assert [r[0] for r in p.results] == [s.name for s in probe_mod.schedules(p.tokens)]
     assert (tmp_path / "probes").glob("*.json")
     assert p.invariant == (not p.failed)
