@@ -123,6 +123,9 @@ def cmd_cache(args: argparse.Namespace) -> int:
             probes = recorded_probes(cfg.cache_dir / "probes")
             data = {"path": str(cfg.cache_dir / "store"), "entries": s.entries, "bytes": s.bytes,
                     "capacity_bytes": s.capacity_bytes,
+                    # what opening and reading the store met here (a running server's own
+                    # counts are on its /metrics: edgekv_faults)
+                    "errors": s.errors, "corrupt": s.corrupt,
                     "probes": [{"engine": p.describe, "granularity": p.granularity,
                                 "invariant": p.invariant, "failed": list(p.failed),
                                 "probe_s": round(p.seconds, 2)} for p in probes]}
@@ -130,7 +133,9 @@ def cmd_cache(args: argparse.Namespace) -> int:
                 print(json.dumps(data))
             else:
                 print(f"disk store {data['path']}: {s.entries} fragments, "
-                      f"{s.bytes / 2**20:.1f} MiB of {s.capacity_bytes / 2**20:.0f} MiB")
+                      f"{s.bytes / 2**20:.1f} MiB of {s.capacity_bytes / 2**20:.0f} MiB"
+                      + (f"; {s.errors} I/O errors, {s.corrupt} corrupt entries dropped"
+                         if s.errors or s.corrupt else ""))
                 for p in probes:
                     how = ("reuse ends at any token (batch-invariant)" if p.invariant else
                            "whole-chunk reuse: not batch-invariant under "
