@@ -17,9 +17,10 @@ slot. On a single Redis the tags are plain characters.
 Redis is a cache under every request, never a dependency of it: a failed call is a miss (or a
 `StoreError` from `put`, which the writeback logs and drops), the request computes locally.
 The first failure of an outage is logged once, the rest are counted in `stats().errors`
-until a call succeeds again; a refused write (a full Redis) is logged once per kind of refusal. A stopped server refuses connections at once, so every call tries
-it (and the first after a restart succeeds); a hung one (a timeout) is not tried again for
-`retry_s`, so it costs one timeout per `retry_s`, not one per call.
+until a call succeeds again; a refused write (a full Redis) is logged once per kind of
+refusal. A stopped server refuses connections at once, so every call tries it (and the first
+after a restart succeeds); a hung one (a timeout) is not tried again for `retry_s`, so it
+costs one timeout per `retry_s`, not one per call.
 """
 
 from __future__ import annotations
