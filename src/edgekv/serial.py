@@ -95,14 +95,22 @@ def encode_fragment(frag: KVFragment) -> bytes:
                 {name: getattr(frag, name) for name in _ARRAYS})
 
 
+def _is_text(v: str) -> bool:
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _check_scalars(header: dict[str, object]) -> None:
     """Every scalar present and of its type: strings, finite times, int32-sized integers."""
     for name in _SCALARS:
         if name not in header:
             raise CorruptEntry(f"malformed entry header: {name} is missing")
         v = header[name]
-        if name in _STRS:
-            ok = isinstance(v, str)
+        if name in _STRS:  # digests and keys: short text (a lone surrogate is no text, and
+            ok = isinstance(v, str) and len(v) <= 256 and _is_text(v)  # SQLite refuses it)
         elif name in _FLOATS:
             ok = ((isinstance(v, float) and math.isfinite(v))
                   or (_is_int(v) and abs(v) < 1 << 53))  # type: ignore[arg-type]

@@ -183,6 +183,8 @@ def header_of(blob: bytes) -> dict:
     ("shape -1", lambda h: h["tensors"]["keys"].update(shape=[-1])),
     # bool is an int: True passed as a layer index
     ("bool as an index", lambda h: h.update(layer_start=False, layer_end=True)),
+    # a lone surrogate in a key: decoded, then UnicodeEncodeError in the disk store's index
+    ("lone surrogate", lambda h: h.update(parent_key="\ud800")),
 ])
 def test_fragment_header_regressions(bug, change):
     blob = encode_fragment(make_fragment(span=64, n_layer=2, width=4))
@@ -190,6 +192,22 @@ def test_fragment_header_regressions(bug, change):
     change(h)
     with pytest.raises(CorruptEntry):
         decode_fragment(resealed(blob, h))
+
+
+def test_a_fragment_file_with_a_lone_surrogate_is_a_miss(tmp_path):
+    """The benchmark's one crash (fragment input 87270): DiskStore.get adopted the file into
+    its SQLite index, which cannot store the string: UnicodeEncodeError out of get()."""
+    from edgekv.store.disk import DiskStore
+
+    blob = encode_fragment(make_fragment(span=64, n_layer=2, width=4))
+    h = header_of(blob)
+    h["parent_key"] = "\udcff" * 64
+    store = DiskStore(tmp_path, 1 << 30)
+    path = store._path("k1")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(resealed(blob, h))
+    assert store.get("k1") is None and not path.exists()
+    store.close()
 
 
 def test_fragment_deeply_nested_header_is_corrupt_not_recursion_error():
