@@ -6,6 +6,7 @@ the real `edgekv kv-server` process (default limits) for the ones its wiring dec
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -292,7 +293,15 @@ def test_a_client_that_does_not_read_is_cut(srv):
 
 # -- connection caps --------------------------------------------------------------------------
 
-def test_connection_caps_refuse_the_excess_and_keep_serving_others(srv):
+@pytest.fixture
+def patient(tmp_path):
+    """The short limits, but idle connections are kept 10 s (the caps test holds some)."""
+    with kv_server(tmp_path / "patient", dataclasses.replace(LIMITS, request_timeout_s=10)) as s:
+        yield s
+
+
+def test_connection_caps_refuse_the_excess_and_keep_serving_others(patient):
+    srv = patient
     bad = []
     try:
         for _ in range(LIMITS.max_connections_per_client):
@@ -312,8 +321,8 @@ def test_connection_caps_refuse_the_excess_and_keep_serving_others(srv):
     finally:
         for s in bad:
             s.close()
-    # idle connections go at the request deadline anyway; once they have, all is served
-    deadline = time.monotonic() + 10
+    # once the idle connections have gone, everyone is served again
+    deadline = time.monotonic() + 20
     while True:
         out = raw(srv.address, request_bytes("GET", "/v1/info"))
         if status_of(out) == 200:
@@ -443,7 +452,7 @@ class CannedProxy:
             if b"/v1/chunks" in head and self.canned is not None:
                 c.sendall(self.canned)
                 return
-            c.sendall(raw(self.target, head + b"\r\n\r\n" + body))
+            c.sendall(raw(self.target, head + b"\r\nConnection: close\r\n\r\n" + body))
         finally:
             c.close()
 
@@ -559,7 +568,16 @@ def test_a_client_of_another_model_is_refused(srv, tmp_path):
 
 # -- everything at once -----------------------------------------------------------------------
 
-def test_good_clients_are_served_while_bad_ones_misbehave(srv, tmp_path):
+@pytest.fixture
+def roomy(tmp_path):
+    """The short limits, but a global cap that four misbehaving addresses cannot fill (each
+    is held to its per-address cap: the cap that protects good clients from a bad one)."""
+    with kv_server(tmp_path / "roomy", dataclasses.replace(LIMITS, max_connections=64)) as s:
+        yield s
+
+
+def test_good_clients_are_served_while_bad_ones_misbehave(roomy):
+    srv = roomy
     keys = client(srv).precompute(PROMPT)["keys"]
     stop = threading.Event()
     errors: list[str] = []
@@ -594,10 +612,14 @@ def test_good_clients_are_served_while_bad_ones_misbehave(srv, tmp_path):
         t.start()
     served, latencies = 0, []
 
+    until = time.monotonic() + 3 * LIMITS.request_timeout_s  # past the slow clients' deadline
+
     def good(n: int) -> None:
         nonlocal served
         c = client(srv, timeout_s=10)
-        for _ in range(n):
+        i = 0
+        while i < n or time.monotonic() < until:
+            i += 1
             t0 = time.monotonic()
             try:
                 got = list(c.stream(keys))
@@ -620,7 +642,7 @@ def test_good_clients_are_served_while_bad_ones_misbehave(srv, tmp_path):
         for t in attackers:
             t.join(20)
     assert not errors, errors[:3]
-    assert served == 30 and max(latencies) < 10
+    assert served >= 30 and max(latencies) < 10
     stats = srv.connections.stats
     assert stats["timed_out"] >= 1 and stats["refused"] + stats["dropped"] >= 1
 
