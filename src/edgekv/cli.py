@@ -204,7 +204,8 @@ def _run_bench(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         only = tuple(m for m in args.modes.split(",") if m) if args.modes else None
         res = run_seed_bench(requests=reqs, workload=name, model=args.model, n_ctx=args.n_ctx,
                              engine=args.engine, only=only,
-                             llama_server=_llama_server(args.llama_server))
+                             llama_server=_llama_server(args.llama_server),
+                             n_threads=args.threads)
         return res, seed_table(res)
     if args.name == "codec":
         from .bench.codec import codec_table, run_codec_bench
@@ -241,7 +242,8 @@ def _run_bench(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     res = run_reuse_bench(model=args.model, runs=args.runs, context_tokens=args.context_tokens,
                           max_tokens=args.max_tokens or 16, chunk_size=args.chunk_size or 128,
                           n_ctx=args.n_ctx, progress=progress, engine=args.engine,
-                          sweep=tuple(int(x) for x in args.sweep.split(",") if x))
+                          sweep=tuple(int(x) for x in args.sweep.split(",") if x),
+                          n_threads=args.threads)
     return res, reuse_table(res)
 
 
@@ -421,7 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-tokens", type=int, help="tokens to generate (default 16; chat: 48)")
     b.add_argument("--entries", type=int, default=1000, help="lookup: vectors in the index")
     b.add_argument("--threads", type=int,
-                   help="engines, stream: engine threads (default: all cores)")
+                   help="engines, stream, seed, reuse: engine threads, the same for every mode "
+                   "(default: all cores)")
     engine_opts(b)
     b.set_defaults(func=cmd_bench)
 

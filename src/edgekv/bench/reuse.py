@@ -140,7 +140,8 @@ def _measure(kv: EdgeKV, cache_dir: Path, context: list[int], questions: list[li
 def run_reuse_bench(*, model: str | None = None, runs: int = 5, context_tokens: int = 512,
                     max_tokens: int = 16, chunk_size: int = 128, n_ctx: int = 2048,
                     cache_dir: Path | None = None, progress: Any = None,
-                    engine: str = "llamacpp", sweep: Sequence[int] = SWEEP) -> dict[str, Any]:
+                    engine: str = "llamacpp", sweep: Sequence[int] = SWEEP,
+                    n_threads: int | None = None) -> dict[str, Any]:
     from ..engines import open_adapter
 
     tmp = None
@@ -148,7 +149,8 @@ def run_reuse_bench(*, model: str | None = None, runs: int = 5, context_tokens: 
         tmp = tempfile.TemporaryDirectory(prefix="edgekv-bench-")
         cache_dir = Path(tmp.name)
     cfg = CacheConfig(chunk_size=chunk_size, cache_dir=cache_dir)
-    adapter = open_adapter(engine, model, n_ctx=n_ctx, memo_dir=cache_dir)
+    adapter = open_adapter(engine, model, n_ctx=n_ctx, memo_dir=cache_dir,
+                           **({"n_threads": n_threads} if n_threads else {}))
     store = open_store(cfg)
     kv = EdgeKV(adapter, store, cfg)
     try:
@@ -173,6 +175,7 @@ def run_reuse_bench(*, model: str | None = None, runs: int = 5, context_tokens: 
             "max_tokens": max_tokens,
             "chunk_size": chunk_size,
             "reuse_granularity": kv.granularity,
+            "threads": getattr(adapter, "n_threads", None),
             "cold_ttft_ms": main["cold_ttft_ms"],
             "warm_ttft_ms": main["warm_ttft_ms"],
             "warm_disk_ttft_ms": main["disk_ttft_ms"],
