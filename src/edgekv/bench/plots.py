@@ -37,7 +37,8 @@ def seed_table(res: dict[str, Any]) -> str:
             f"{100 * m['hit_rate']:.1f}%", f"{reused}/{reused + computed}",
             f"{fid} ({refs[name]})" if name in refs else fid,
             _share(m.get("fidelity_vs_plain")), f"{100 * m['memory_traffic_ratio']:.1f}%",
-            f"{m['energy_j']:.1f} J / {m['energy_mah']:.3f} mAh ({m['energy_source']})",
+            f"{m['energy_j']:.1f} J / {m['energy_mah']:.3f} mAh ({m['energy_source']})"
+            if m["energy_j"] is not None else "not measured (server process)",
         ])
     return table(["mode", "TTFT mean ms", "p50", "p95", "vs no cache", "total ms",
                   "hit rate", "reused/prompt tokens", "fidelity (vs)", "vs plain",

@@ -61,6 +61,8 @@ FIDELITY_REFERENCE = {
                          "without any cache; null where plain did not run (engine not llamacpp)",
 }
 
+OUT_OF_PROCESS = ("llama_server", "llama_server_nocache")  # CPU and energy not measured
+
 Rows = list[tuple[Outcome, float, float]]  # (outcome, CPU seconds, joules) per request
 
 
@@ -316,9 +318,10 @@ def _summarise(reqs: list[Request], results: dict[str, Rows], energy_source: str
             "fidelity_vs_plain": _agreement(rows, results.get("plain")),
             "memory_traffic_bytes": traffic,
             "memory_traffic_ratio": round(traffic / base_traffic, 4),
-            "cpu_s": round(sum(c for _, c, _ in rows), 3),
-            "energy_j": round(joules, 3),
-            "energy_mah": round(joules_to_mah(joules), 4),
+            # llama-server computes in its own process: this process's CPU is not its cost
+            "cpu_s": None if name in OUT_OF_PROCESS else round(sum(c for _, c, _ in rows), 3),
+            "energy_j": None if name in OUT_OF_PROCESS else round(joules, 3),
+            "energy_mah": None if name in OUT_OF_PROCESS else round(joules_to_mah(joules), 4),
             "energy_source": energy_source,
             "ttft_ms": [round(x, 3) for x in ttft],
             "total_ms": [round(x, 3) for x in total],
