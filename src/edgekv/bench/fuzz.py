@@ -384,9 +384,6 @@ class FragmentTarget(Target):
         self.seed_note = _note(self.corpus, "fragment")
         self._tmp = Path(tempfile.mkdtemp(prefix="edgekv-fuzz-disk-"))
         self.store = DiskStore(self._tmp, 1 << 30)
-        import logging
-
-        logging.getLogger("edgekv.store").setLevel(logging.CRITICAL)  # one warning per input
 
     def generate(self, rng: random.Random) -> bytes:
         from ..serial import _PREFIX
@@ -1052,17 +1049,27 @@ def run_target_inline(target: Target, inputs: int, *, seed: int = 0, start: int 
     """Fuzz `target` in this process (the fast tests): an input over `hang_s` counts as a
     hang once it returns (a real hang would stop the caller: `run_fuzz` guards with a
     child process)."""
+    import logging
+
     t = Tally()
-    for i in range(start, start + inputs):
-        target.index = i
-        x = target.generate(input_rng(seed, target.name, i))
-        t0 = time.perf_counter()
-        outcome, sig = classify(target, x)
-        dt = time.perf_counter() - t0
-        t.add(i, outcome, sig, dt)
-        if dt > hang_s:
-            t.hangs += 1
-            t.hang_inputs.append(i)
+    # refusals log a warning per input by design; silenced here only, and put back after (a
+    # level left on the shared logger would hide later callers' warnings)
+    store_log = logging.getLogger("edgekv.store")
+    level = store_log.level
+    store_log.setLevel(logging.CRITICAL)
+    try:
+        for i in range(start, start + inputs):
+            target.index = i
+            x = target.generate(input_rng(seed, target.name, i))
+            t0 = time.perf_counter()
+            outcome, sig = classify(target, x)
+            dt = time.perf_counter() - t0
+            t.add(i, outcome, sig, dt)
+            if dt > hang_s:
+                t.hangs += 1
+                t.hang_inputs.append(i)
+    finally:
+        store_log.setLevel(level)
     return t
 
 
