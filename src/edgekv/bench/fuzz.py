@@ -35,6 +35,7 @@ starts a new child at the next one. Input `i` of a target is a pure function of
 
 from __future__ import annotations
 
+import abc
 import argparse
 import asyncio
 import base64
@@ -329,7 +330,7 @@ class AsgiDriver:
 # -- targets --------------------------------------------------------------------------------
 
 @dataclass
-class Target:
+class Target(abc.ABC):
     """One decoder under fuzz: `generate(rng)` makes an input from the seeds, `run(input)`
     returns True if it was accepted, False for a clean refusal (an exception in `clean`, or
     an answer the target documents), and raises anything else."""
@@ -342,15 +343,19 @@ class Target:
     seeds: list[Any] = field(default_factory=list)
     seed_note: str = ""
 
-    def setup(self) -> None: ...
+    def setup(self) -> None:  # noqa: B027 - optional hook: most targets need none
+        """Prepare what every input shares (a server, a store)."""
 
+    @abc.abstractmethod
     def generate(self, rng: random.Random) -> Any:
-        raise NotImplementedError
+        """One input, made from the seeds with `rng`."""
 
+    @abc.abstractmethod
     def run(self, x: Any) -> bool:
-        raise NotImplementedError
+        """Decode `x`: True if accepted, False if cleanly refused; anything else raises."""
 
-    def close(self) -> None: ...
+    def close(self) -> None:  # noqa: B027 - optional hook: most targets hold nothing
+        """Release what `setup` made."""
 
     def clean_error(self, e: BaseException) -> bool:
         return isinstance(e, self.clean)
