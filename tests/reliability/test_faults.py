@@ -15,6 +15,7 @@ import stat
 import pytest
 
 from edgekv import CacheConfig, EdgeKV, StoreError, open_store
+from edgekv.bench import faults
 from edgekv.bench.faults import make_row, run_cli
 from edgekv.engines.fake import FakeAdapter
 from edgekv.errors import ConfigError
@@ -111,6 +112,180 @@ def test_rows_carry_the_contract_keys():
     assert list(row)[:7] == ["fault", "runs", "requests", "wrong_outputs", "lost_requests",
                              "lost_entries", "recovery_s"]
     assert row["recovery_s"] == 1.235
+    assert row["recovery_s_max"] == 1.235 and row["status"] == "measured"
+
+
+# -- what goes missing: failed harnesses, evictions, kills in flight, the worst recovery ------
+
+def _fine(work, o):
+    return make_row("fine", runs=1, requests=2, wrong_outputs=0, lost_requests=0,
+                    lost_entries=0, recovery_s=0.5, how="h")
+
+
+def test_a_harness_that_raises_is_a_failed_row_with_null_counts(tmp_path):
+    def boom(work, o):
+        raise ValueError("no model here\nsecond line of detail")
+
+    rows = faults.run_faults(None, {}, tmp_path, registry={"boom": boom, "fine": _fine})
+    bad, good = rows
+    assert bad["status"] == "failed" and bad["error"] == "ValueError: no model here"
+    for key in ("runs", "requests", "wrong_outputs", "lost_requests", "lost_entries",
+                "recovery_s", "recovery_s_max"):
+        assert bad[key] is None, key  # never 0: a crash must not read as a pass
+    assert good["status"] == "measured" and good["requests"] == 2
+    res = {"rows": rows, **faults.summarize(rows), "options": dict(faults.DEFAULTS)}
+    assert res["failed_rows"] == ["boom"] and res["measured_rows"] == 1
+    assert json.loads(json.dumps(res))["rows"][0]["wrong_outputs"] is None
+    text = faults.faults_table(res)
+    line = next(ln for ln in text.splitlines() if ln.startswith("| boom"))
+    assert "FAILED" in line and "not measured" in line and "| 0 " not in line
+    assert "1 of 2 rows FAILED" in text
+
+
+def test_a_harness_thread_that_dies_fails_its_row(tmp_path):
+    def loses_its_client(work, o):
+        def client():
+            raise KeyError("choices")
+
+        t = faults.Watched(client)
+        t.start()
+        t.join()
+        faults.Watched.check([t])
+        return _fine(work, o)  # never reached: the thread's death is not swallowed
+
+    row, = faults.run_faults(None, {}, tmp_path, registry={"x": loses_its_client})
+    assert row["status"] == "failed" and row["requests"] is None
+    assert "client" in row["error"] and "KeyError" in row["error"]
+
+
+def test_a_row_that_made_no_request_is_failed(tmp_path):
+    def idle(work, o):
+        return make_row("idle", runs=1, requests=0, wrong_outputs=0, lost_requests=0,
+                        lost_entries=0, recovery_s=None, how="h")
+
+    row, = faults.run_faults(None, {}, tmp_path, registry={"idle": idle})
+    assert row["status"] == "failed" and row["lost_entries"] is None
+    assert "nothing was measured" in row["error"]
+
+
+def test_recovery_reports_the_median_and_the_worst():
+    row = make_row("k", runs=3, requests=3, wrong_outputs=0, lost_requests=0, lost_entries=0,
+                   recovery_s=[25.0, 127.6, 20.0, 30.0], how="h")
+    assert row["recovery_s"] == 27.5 and row["recovery_s_max"] == 127.6
+    assert row["not_recovered"] == 0
+    never = make_row("k", runs=2, requests=2, wrong_outputs=0, lost_requests=0, lost_entries=0,
+                     recovery_s=[3.0, -1.0, None], how="h")
+    assert never["recovery_s"] == 3.0 and never["recovery_s_max"] is None
+    assert never["not_recovered"] == 2
+    text = faults.faults_table({"rows": [row, never]})
+    assert "127.6" in text and "never (2)" in text
+
+
+def test_evicted_and_damaged_entries_are_kept_apart_from_lost(tmp_path, fragment_factory):
+    """A real disk store: an entry its capacity policy evicts is evicted (not lost), a damaged
+    one it drops on read is lost, as is one whose file vanished with no removal at all."""
+    frag = fragment_factory(chain_key="c0")
+    size = len(__import__("edgekv.serial", fromlist=["x"]).encode_fragment(frag))
+    store = DiskStore(tmp_path, int(size * 3.5))  # room for 3 entries
+    log = faults.RemovalLog(store)
+    keys = [f"{i:02x}ab" for i in range(5)]
+    for i, k in enumerate(keys[:4]):
+        store.put(k, fragment_factory(chain_key=k, seed=i))
+    first = {"event": "answer", "files": sorted(faults.fragment_files(tmp_path)), **log.drain()}
+    assert first["evicted"] == [keys[0]] and first["damaged"] == []
+    store.put(keys[4], fragment_factory(chain_key=keys[4], seed=4))  # evicts keys[1]
+    path = faults.fragment_files(tmp_path)[keys[2]]
+    path.write_bytes(path.read_bytes()[:-7] + b"garbage")  # damaged on disk
+    assert store.get(keys[2]) is None  # read: checksum fails, the store drops it
+    faults.fragment_files(tmp_path)[keys[3]].unlink()  # vanishes: nobody removed it
+    second = {"event": "answer", "files": sorted(faults.fragment_files(tmp_path)), **log.drain()}
+    assert second["evicted"] == [keys[1]] and second["damaged"] == [keys[2]]
+    counts = faults.entry_counts([first, second], tmp_path)
+    assert counts == {"acked_entries": 4, "lost_entries": 2, "evicted_entries": 1}
+    store.close()
+
+
+def test_unavailable_entries_are_the_ones_a_faulted_process_could_not_see():
+    ev = [{"event": "answer", "files": ["a", "b"]}, {"event": "answer", "files": ["b"]}]
+    assert faults.unseen(ev, {"a", "b", "c", "d"}) == 2
+
+
+def _fake_opts(**kw):
+    return {**faults.DEFAULTS, "engine": "fake", "requests": 2, "max_tokens": 4, **kw}
+
+
+def _events(proc, sink):
+    import threading
+
+    t = threading.Thread(target=faults.read_events, args=(proc.stdout, sink), daemon=True)
+    t.start()
+    return t
+
+
+def test_a_request_killed_by_sigkill_is_counted_in_flight(tmp_path):
+    """A real worker process (fake engine, each request at least 3 s): killed with SIGKILL
+    as soon as its second request starts."""
+    import signal
+    import time
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    pf = faults.write_prompts(tmp_path / "p.json", faults.fault_prompts(2))
+    ev: list = []
+    proc = faults.start_worker(cache, pf, _fake_opts(fake_delay_s=3.0))
+    reader = _events(proc, ev)
+    try:
+        while proc.poll() is None and [e["event"] for e in ev].count("ask") < 2:
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        reader.join()
+        proc.stdout.close()
+    assert [e["event"] for e in ev] == ["open", "ask", "answer", "ask"], ev
+    assert faults.in_flight(ev) == 1
+    assert ev[2]["evicted"] == [] and ev[2]["damaged"] == [] and ev[2]["files"]
+
+
+def test_a_worker_reports_what_its_disk_tier_evicts(tmp_path):
+    """The real worker process with a disk tier too small for its entries: what it evicts is
+    reported by key and counted as evicted, not lost."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    pf = faults.write_prompts(tmp_path / "p.json", faults.fault_prompts(3))
+    env = faults.child_env(cache, EDGEKV_DISK_CAPACITY_BYTES=str(64 * 1024))
+    rc, ev, err = faults.run_worker(cache, pf, _fake_opts(), count=3, env=env)
+    assert rc == 0, err
+    counts = faults.entry_counts(ev, cache / "store")
+    assert counts["evicted_entries"] > 0, counts
+    assert counts["lost_entries"] == 0 and counts["acked_entries"] >= counts["evicted_entries"]
+
+
+def test_kill9_row_on_the_fake_engine(tmp_path):
+    """The kill -9 harness end to end on real processes (fake engine; requests of 3.5 s, so
+    each kill, 0-3 s after a worker's first answer, lands inside its second request)."""
+    from edgekv.bench.faults_local import kill9
+
+    row = kill9(tmp_path, _fake_opts(kills=2, seed=0, fake_delay_s=3.5))
+    assert row["status"] == "measured"
+    assert row["killed_in_flight"] == 2, row
+    assert row["wrong_outputs"] == 0 and row["lost_requests"] == 0, row
+    assert row["lost_entries"] == 0 and row["evicted_entries"] == 0, row
+    assert row["requests"] == 2 + 2 + 2, row  # 2 killed workers: 1 answered + 1 killed each
+    assert len(row["recovery_each_s"]) == 2 and row["not_recovered"] == 0, row
+    assert row["recovery_s_max"] >= row["recovery_s"] > 0, row
+    assert row["acked_entries"] > 0, row
+
+
+def test_missing_permissions_counts_unavailable_entries(tmp_path):
+    """Mode 000 on the store (a root harness drops the child's CAP_DAC_OVERRIDE): every entry
+    of the warm run is unavailable to the next process, none is lost."""
+    from edgekv.bench.faults_local import FAULTS
+
+    row = FAULTS["missing_permissions"](tmp_path, _fake_opts(requests=3))
+    assert row["wrong_outputs"] == 0 and row["lost_requests"] == 0, row
+    assert row["acked_entries"] > 0 and row["unavailable_entries"] == row["acked_entries"], row
+    assert row["lost_entries"] == 0, row
 
 
 real_stack("llama.cpp + SmolLM2", "llama_cpp",
@@ -121,7 +296,7 @@ OPTS = {"model": None, "duration": 10, "kills": 0, "seed": 0, "requests": 3, "ma
 
 
 def _clean(row):
-    assert "error" not in row, row
+    assert "error" not in row and row["status"] == "measured", row
     assert row["wrong_outputs"] == 0 and row["lost_requests"] == 0, row
     assert row["lost_entries"] == 0, row
 

@@ -115,6 +115,11 @@ def test_restart_row_on_the_fake_engine(tmp_path):
     assert row["recovery_s"] is not None
     assert row["errors_logged"] == 2  # once per outage
     assert row["errors_counted"] > row["errors_logged"]
+    # while Redis is down, what it acknowledged is unavailable (not lost: it comes back)
+    assert 0 < row["unavailable_entries"] <= row["acked_entries"]
+    assert row["recovery_s_max"] == max(row["recovery_each_s"]) >= row["recovery_s"]
+    assert row["not_recovered"] == 0 and row["status"] == "measured"
+    assert 0 <= row["kills_during_request"] <= row["runs"]
 
 
 def test_full_row_on_the_fake_engine(tmp_path):
@@ -127,6 +132,8 @@ def test_full_row_on_the_fake_engine(tmp_path):
     assert noev["evicted_keys_info"] == 0 and noev["errors_while_full"] > 0
     assert noev["errors_logged"] == 1  # refused writes: one line, however many
     assert row["recovery_s"] is not None
+    assert row["evicted_entries"] == lru["evicted_entries"] > 0  # shown, apart from lost
+    assert row["recovery_s_max"] == max(row["recovery_each_s"]) >= row["recovery_s"]
 
 
 @pytest.mark.real

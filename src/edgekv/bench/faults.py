@@ -1,8 +1,14 @@
 """`edgekv bench faults`: the fault matrix, one row per fault, measured on real processes.
 
 Each fault is a function `(workdir, options) -> row` (options: `model`, `duration`, `kills`,
-`seed`, `requests`, `max_tokens`, `n_ctx`); a row holds `fault`, `runs`, `requests`,
-`wrong_outputs`, `lost_requests`, `lost_entries`, `recovery_s`, and `how` the fault was made.
+`seed`, `requests`, `max_tokens`, `n_ctx`, `engine`); a row holds `fault`, `runs`, `requests`,
+`wrong_outputs`, `lost_requests`, `lost_entries`, `recovery_s` (median over the fault's
+recoveries), `recovery_s_max` (the worst), `status` ("measured", or "failed" with `error` and
+every count None: a harness that raised, or whose helper thread or child died, measured
+nothing), and `how` the fault was made; rows add `evicted_entries` (removed by a capacity or
+TTL policy: not lost, shown apart), `unavailable_entries` (there, but not readable while the
+fault lasts) and `killed_in_flight` (requests running in a process killed by SIGKILL) where
+they apply.
 Every output is compared with the same prompt's cold (no-cache) output, computed in the same
 run by the same engine (`cold_outputs`). The processes under test are real `edgekv` processes
 (the CLI, `edgekv serve`, and this module's `worker`, a benchmark-like loop over the public
@@ -10,8 +16,10 @@ API) on real cache directories; faults are made with the kernel where it can be 
 size-limited tmpfs, an unprivileged user), never by mocking the store.
 
 The helpers below (`fault_prompts`, `cold_outputs`, `new_cache_dir`, `start_worker`,
-`read_events`, `edgekv_cmd`, `child_env`, `readable_entries`, `check_store`, `make_row`) are
-public so that other fault modules (`faults_redis`) build their rows the same way.
+`read_events`, `edgekv_cmd`, `child_env`, `readable_entries`, `check_store`, `entry_counts`,
+`Watched`, `make_row`) are public so that other fault modules (`faults_redis`) build their
+rows the same way. `engine="fake"` runs the workers and cold outputs on the fake engine (the
+tests' harness checks); the matrix runs on llama.cpp.
 """
 
 from __future__ import annotations
@@ -26,9 +34,11 @@ import random
 import shutil
 import signal
 import sqlite3
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -37,10 +47,11 @@ from typing import IO, Any
 from ..texts import MANUAL, QUESTIONS, SYSTEM_PROMPT
 
 __all__ = [
-    "FAULTS", "Fault", "all_faults", "check_store", "child_env", "cold_outputs",
-    "drop_dac_override", "edgekv_cmd",
-    "fault_prompts", "make_row", "new_cache_dir", "read_events", "readable_entries",
-    "run_cli", "run_faults", "start_worker", "faults_table",
+    "FAULTS", "Fault", "HarnessError", "Watched", "all_faults", "check_store", "child_env",
+    "cold_outputs", "drop_dac_override", "edgekv_cmd", "entry_counts", "failed_row",
+    "fault_prompts", "in_flight", "make_row", "new_cache_dir", "read_events",
+    "readable_entries", "RemovalLog", "run_cli", "run_faults", "start_worker", "faults_table",
+    "summarize",
 ]
 
 log = logging.getLogger(__name__)
@@ -48,7 +59,43 @@ log = logging.getLogger(__name__)
 Fault = Callable[[Path, dict[str, Any]], dict[str, Any]]
 
 DEFAULTS: dict[str, Any] = {"model": None, "duration": 120.0, "kills": 50, "seed": 0,
-                            "requests": 12, "max_tokens": 12, "n_ctx": 2048}
+                            "requests": 12, "max_tokens": 12, "n_ctx": 2048,
+                            "engine": "llamacpp"}
+
+
+class HarnessError(RuntimeError):
+    """The harness could not measure its fault (a helper thread raised, a child it needs died):
+    the row is failed, its counts None, never zero."""
+
+
+class Watched(threading.Thread):
+    """A daemon thread that keeps what it raised (`error`): a harness thread that dies must
+    fail its row (`check`), not leave it with fewer requests that all look right."""
+
+    def __init__(self, target: Callable[..., Any], *args: Any, name: str | None = None) -> None:
+        super().__init__(target=target, args=args, name=name or getattr(target, "__name__", None),
+                         daemon=True)
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            super().run()
+        except BaseException as e:  # noqa: BLE001 - kept, and raised by `check`
+            self.error = e
+
+    @staticmethod
+    def check(threads: Iterable[Watched]) -> None:
+        """Raise `HarnessError` for the first of `threads` that raised."""
+        for t in threads:
+            if t.error is not None:
+                raise HarnessError(f"harness thread {t.name} died: {reason(t.error)}") \
+                    from t.error
+
+
+def reason(e: BaseException) -> str:
+    """An exception as a short line: its type and the first line of its message."""
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[0][:200]}" if msg else type(e).__name__
 
 
 # -- shared helpers (public: faults_redis uses them) -------------------------------------------
@@ -117,26 +164,40 @@ _REFS: dict[tuple[Any, ...], Any] = {}
 _COLD: dict[tuple[Any, ...], list[int]] = {}
 
 
-def _reference(model: str | None, n_ctx: int) -> Any:
-    """The in-process engine that computes cold outputs (one per model and context)."""
+def _open(engine: str, model: str | None, cfg: Any, n_ctx: int, semantic: bool) -> Any:
+    """An EdgeKV on llama.cpp (the matrix) or on the fake engine (the harness's tests) over
+    the default RAM + disk store of `cfg`."""
+    if engine == "fake":
+        from ..cache import EdgeKV
+        from ..engines.fake import FakeAdapter
+        from ..store import open_store
+
+        return EdgeKV(FakeAdapter(n_ctx=max(n_ctx, 4096)), open_store(cfg), cfg)
     from .. import open_llamacpp
+
+    return open_llamacpp(model, cfg, n_ctx=n_ctx, semantic=semantic)
+
+
+def _reference(model: str | None, n_ctx: int, engine: str = "llamacpp") -> Any:
+    """The in-process engine that computes cold outputs (one per engine, model, context)."""
     from ..config import CacheConfig
 
-    key = (model, n_ctx)
+    key = (engine, model, n_ctx)
     if key not in _REFS:
         cfg = CacheConfig.from_env(cache_dir=template_dir())
-        _REFS[key] = open_llamacpp(model, cfg, n_ctx=n_ctx, semantic=False)
+        _REFS[key] = _open(engine, model, cfg, n_ctx, semantic=False)
     return _REFS[key]
 
 
 def cold_outputs(prompts: Sequence[str], opts: dict[str, Any]) -> list[list[int]]:
     """Each prompt's cold answer (token ids): the real engine, no lookup, nothing stored,
-    greedy, `opts["max_tokens"]` tokens. Memoised per (model, context, prompt, length)."""
+    greedy, `opts["max_tokens"]` tokens. Memoised per (engine, model, context, prompt,
+    length)."""
     o = {**DEFAULTS, **opts}
-    kv = _reference(o["model"], o["n_ctx"])
+    kv = _reference(o["model"], o["n_ctx"], o["engine"])
     out = []
     for p in prompts:
-        key = (o["model"], o["n_ctx"], p, o["max_tokens"])
+        key = (o["engine"], o["model"], o["n_ctx"], p, o["max_tokens"])
         if key not in _COLD:
             r = kv.generate(p, max_tokens=o["max_tokens"], use_cache=False, store=False)
             _COLD[key] = list(r.tokens)
@@ -146,7 +207,8 @@ def cold_outputs(prompts: Sequence[str], opts: dict[str, Any]) -> list[list[int]
 
 def cold_texts(prompts: Sequence[str], opts: dict[str, Any]) -> list[str]:
     """The cold answers as text (what `edgekv serve` returns)."""
-    kv = _reference({**DEFAULTS, **opts}["model"], {**DEFAULTS, **opts}["n_ctx"])
+    o = {**DEFAULTS, **opts}
+    kv = _reference(o["model"], o["n_ctx"], o["engine"])
     return [kv.adapter.detokenize(t) for t in cold_outputs(prompts, opts)]
 
 
@@ -177,13 +239,17 @@ def start_worker(cache_dir: Path, prompts_file: Path, opts: dict[str, Any], *,
     """Start this module's `worker`: an `edgekv` benchmark-like loop over the public API on
     `cache_dir`, answering the prompts in `prompts_file` (a JSON list) in `order` ("seq" or
     "random"), `count` of them (0: until the epoch time `until`, or forever). It prints one JSON
-    event a line: `open` (seconds to open the cache), `answer` (prompt index, token ids,
-    seconds since start, store errors counted so far, the store's fragment files), `done`."""
+    event a line: `open` (seconds to open the cache), `ask` (a request starts: a kill before
+    its `answer` kills it in flight), `answer` (prompt index, token ids, seconds since start,
+    store errors counted so far, the store's fragment files, and the keys its disk tier removed
+    since the last answer: `evicted` by capacity or TTL, `damaged`), `done`. `opts["engine"]
+    = "fake"` runs it on the fake engine, each request taking at least `opts["fake_delay_s"]`."""
     o = {**DEFAULTS, **opts}
     cmd = [sys.executable, "-m", "edgekv.bench.faults", "worker", "--cache-dir", str(cache_dir),
            "--prompts", str(prompts_file), "--order", order, "--count", str(count),
            "--until", str(until), "--seed", str(seed), "--max-tokens", str(o["max_tokens"]),
-           "--n-ctx", str(o["n_ctx"])]
+           "--n-ctx", str(o["n_ctx"]), "--engine", str(o["engine"]),
+           "--fake-delay", str(float(o.get("fake_delay_s", 0.0)))]
     if o["model"]:
         cmd += ["--model", str(o["model"])]
     if semantic:
@@ -263,17 +329,80 @@ def check_store(store_dir: Path) -> dict[str, int]:
             "temp_files": len(temps), "index_ok": index_ok}
 
 
-def make_row(fault: str, *, runs: int, requests: int, wrong_outputs: int, lost_requests: int,
-             lost_entries: int, recovery_s: float | None, how: str, **extra: Any) -> dict[str, Any]:
-    """One row of the matrix with the contract keys first."""
+def _r3(x: float | None) -> float | None:
+    return None if x is None else round(float(x), 3)
+
+
+def make_row(fault: str, *, runs: int | None, requests: int | None,
+             wrong_outputs: int | None, lost_requests: int | None, lost_entries: int | None,
+             recovery_s: float | Sequence[float | None] | None, how: str,
+             status: str = "measured", **extra: Any) -> dict[str, Any]:
+    """One row of the matrix with the contract keys first. `recovery_s` is one time, or one
+    per recovery (None or a negative time: it did not recover): the row then holds their
+    median as `recovery_s`, the worst as `recovery_s_max` (None if any did not recover) and
+    `not_recovered`."""
+    if recovery_s is None or isinstance(recovery_s, (int, float)):
+        typical = worst = _r3(recovery_s)
+        more: dict[str, Any] = {}
+    else:
+        ok = [float(r) for r in recovery_s if r is not None and r >= 0]
+        missed = len(recovery_s) - len(ok)
+        typical = _r3(statistics.median(ok)) if ok else None
+        worst = _r3(max(ok)) if ok and not missed else None
+        more = {"not_recovered": missed}
     return {"fault": fault, "runs": runs, "requests": requests, "wrong_outputs": wrong_outputs,
             "lost_requests": lost_requests, "lost_entries": lost_entries,
-            "recovery_s": None if recovery_s is None else round(recovery_s, 3), "how": how,
-            **extra}
+            "recovery_s": typical, "recovery_s_max": worst, **more, "status": status,
+            "how": how, **extra}
+
+
+def failed_row(fault: str, error: BaseException | str) -> dict[str, Any]:
+    """The row of a fault whose harness crashed: nothing was measured, so every count is None
+    (never 0, which reads as a pass), with the reason."""
+    why = error if isinstance(error, str) else reason(error)
+    return make_row(fault, runs=None, requests=None, wrong_outputs=None, lost_requests=None,
+                    lost_entries=None, recovery_s=None, how="harness failed: not measured",
+                    status="failed", error=why)
 
 
 def answers(events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return [e for e in events if e.get("event") == "answer"]
+
+
+def in_flight(events: Sequence[dict[str, Any]]) -> int:
+    """Requests a worker started (`ask`) and never answered: killed in flight, if it was
+    killed (0 or 1 for one worker)."""
+    asks = sum(1 for e in events if e.get("event") == "ask")
+    return max(0, asks - len(answers(events)))
+
+
+def removed(events: Sequence[dict[str, Any]], kind: str = "evicted") -> set[str]:
+    """The keys a worker's disk tier removed: `evicted` (capacity or TTL policy) or
+    `damaged` (a checksum or header that failed on read)."""
+    out: set[str] = set()
+    for e in events:
+        out.update(e.get(kind, ()))
+    return out
+
+
+def entry_counts(events: Sequence[dict[str, Any]], store_dir: Path,
+                 written: set[str] | None = None) -> dict[str, int]:
+    """Acknowledged entries (`written`, default every fragment file the workers saw complete
+    after an answer) against what the store holds now, by key, each file's checksum verified:
+    `lost_entries` are gone or damaged with no policy to explain it, `evicted_entries` are gone
+    because the store's capacity or TTL policy removed them (reported by the worker's disk
+    tier: not lost, shown apart)."""
+    acked_keys = acked(events) if written is None else written
+    gone = acked_keys - readable_entries(store_dir, acked_keys)
+    evicted = gone & removed(events, "evicted")
+    return {"acked_entries": len(acked_keys), "lost_entries": len(gone - evicted),
+            "evicted_entries": len(evicted)}
+
+
+def unseen(events: Sequence[dict[str, Any]], written: set[str]) -> int:
+    """Of `written`, the entries a worker under a fault never saw in the store (it could not
+    list or read them): unavailable while the fault lasts, not lost."""
+    return len(written - acked(events))
 
 
 def count_wrong(events: Sequence[dict[str, Any]], cold: Sequence[Sequence[int]]) -> int:
@@ -314,6 +443,37 @@ def first_answer_s(events: Sequence[dict[str, Any]]) -> float | None:
 
 # -- the worker (a child process) --------------------------------------------------------------
 
+class RemovalLog:
+    """The keys a store tier removes, by cause: `damaged` when its corrupt-entry count went up
+    with the removal (a checksum or header failed on read), else `evicted` (its capacity or TTL
+    policy, or a delete the process asked for: the harness's workers ask none). An acknowledged
+    entry that is gone and was evicted is not lost; one gone without a removal here is."""
+
+    def __init__(self, tier: Any) -> None:
+        self._tier = tier
+        self._gone: dict[str, list[str]] = {"evicted": [], "damaged": []}
+        self._corrupt = self._count()
+        tier.add_remove_listener(self._on_remove)
+
+    def _count(self) -> int:
+        try:
+            return int(self._tier.stats().corrupt)
+        except Exception:  # noqa: BLE001 - an index that cannot answer: no new damage known
+            return getattr(self, "_corrupt", 0)
+
+    def _on_remove(self, key: str) -> None:  # called inside the tier's `delete`
+        corrupt = self._count()
+        self._gone["damaged" if corrupt > self._corrupt else "evicted"].append(key)
+        self._corrupt = corrupt
+
+    def drain(self) -> dict[str, list[str]]:
+        """The keys removed since the last drain, by cause."""
+        out = {k: sorted(set(v)) for k, v in self._gone.items()}
+        for v in self._gone.values():
+            v.clear()
+        return out
+
+
 def _worker(argv: Sequence[str]) -> int:
     p = argparse.ArgumentParser(prog="edgekv.bench.faults worker")
     p.add_argument("--cache-dir", required=True)
@@ -325,19 +485,21 @@ def _worker(argv: Sequence[str]) -> int:
     p.add_argument("--max-tokens", type=int, default=DEFAULTS["max_tokens"])
     p.add_argument("--n-ctx", type=int, default=DEFAULTS["n_ctx"])
     p.add_argument("--model")
+    p.add_argument("--engine", choices=["llamacpp", "fake"], default="llamacpp")
+    p.add_argument("--fake-delay", type=float, default=0.0)
     p.add_argument("--semantic", action="store_true")
     p.add_argument("--verbose", action="store_true")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if a.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     t0 = time.perf_counter()
-    from .. import open_llamacpp
     from ..config import CacheConfig
 
     prompts = json.loads(Path(a.prompts).read_text())
-    kv = open_llamacpp(a.model, CacheConfig.from_env(cache_dir=Path(a.cache_dir)),
-                       n_ctx=a.n_ctx, semantic=a.semantic)
+    kv = _open(a.engine, a.model, CacheConfig.from_env(cache_dir=Path(a.cache_dir)), a.n_ctx,
+               a.semantic)
     store_dir = Path(a.cache_dir) / "store"
+    removals = RemovalLog(kv.store.persistent_tier())
 
     def emit(**ev: Any) -> None:
         sys.stdout.write(json.dumps(ev) + "\n")
@@ -357,17 +519,23 @@ def _worker(argv: Sequence[str]) -> int:
     # longer than the whole window to load the model)
     while (a.count == 0 or i < a.count) and (a.until == 0 or time.time() < a.until or i == 0):
         idx = rng.randrange(len(prompts)) if a.order == "random" else i % len(prompts)
+        emit(event="ask", i=i, p=idx)
+        t_ask = time.perf_counter()
         r = kv.generate(prompts[idx], max_tokens=a.max_tokens)
+        if a.engine == "fake" and a.fake_delay > 0:  # a slow fake request (harness tests)
+            time.sleep(max(0.0, a.fake_delay - (time.perf_counter() - t_ask)))
         emit(event="answer", i=i, p=idx, tokens=list(r.tokens), cached=r.cached_tokens,
              s=time.perf_counter() - t0, errors=errors(),
-             files=sorted(fragment_files(store_dir)) if store_dir.is_dir() else [])
+             files=sorted(fragment_files(store_dir)) if store_dir.is_dir() else [],
+             **removals.drain())
         i += 1
     stats = {s.tier: {"hits": s.hits, "misses": s.misses, "evictions": s.evictions,
                       "errors": getattr(s, "errors", 0), "corrupt": s.corrupt}
              for s in tier_stats()}
     kv.close()
     kv.adapter.close()
-    emit(event="done", n=i, errors=sum(v["errors"] for v in stats.values()), stats=stats)
+    emit(event="done", n=i, errors=sum(v["errors"] for v in stats.values()), stats=stats,
+         **removals.drain())
     return 0
 
 
@@ -388,10 +556,13 @@ FAULTS = all_faults  # the registry is built on call: faults_redis may be added 
 
 
 def run_faults(names: Sequence[str] | None, opts: dict[str, Any], work: Path,
-               progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
-    """Run the named faults (default: all), each in its own work directory; a fault whose
-    harness fails yields a row that says so (`error`) instead of stopping the matrix."""
-    registry = all_faults()
+               progress: Callable[[str], None] | None = None,
+               registry: dict[str, Fault] | None = None) -> list[dict[str, Any]]:
+    """Run the named faults (default: all) of `registry` (default: `all_faults()`), each in its
+    own work directory. A fault whose harness raises (or whose row measured no request at all)
+    yields a failed row (`failed_row`: counts None, `error` says why) instead of stopping the
+    matrix or passing for a clean one."""
+    registry = all_faults() if registry is None else registry
     unknown = [n for n in names or () if n not in registry]
     if unknown:
         from ..errors import ConfigError
@@ -409,23 +580,63 @@ def run_faults(names: Sequence[str] | None, opts: dict[str, Any], work: Path,
             row = registry[name](d, {**DEFAULTS, **opts})
         except Exception as e:  # noqa: BLE001 - one broken harness must not hide the others
             log.exception("fault %s: the harness failed", name)
-            row = make_row(name, runs=0, requests=0, wrong_outputs=0, lost_requests=0,
-                           lost_entries=0, recovery_s=None, how="harness failed",
-                           error=f"{type(e).__name__}: {e}")
+            row = failed_row(name, e)
+        else:
+            if row.get("status", "measured") == "measured" and not row.get("requests") \
+                    and not row.get("lost_requests"):
+                row = failed_row(name, "the harness made no request: nothing was measured")
         row["wall_s"] = round(time.perf_counter() - t0, 1)
         rows.append(row)
     return rows
 
 
+def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The run's verdict on its own rows: `failed_rows` (faults not measured, with why)."""
+    failed = [r for r in rows if r.get("status") == "failed"]
+    return {"failed_rows": [r["fault"] for r in failed],
+            "failed_reasons": {r["fault"]: r.get("error", "") for r in failed},
+            "measured_rows": len(rows) - len(failed)}
+
+
+def _cell(row: dict[str, Any], key: str) -> Any:
+    """A count as the table shows it: "not measured" in a failed row, "-" where the row has no
+    such count (the fault cannot cause it), "never" for a recovery that did not happen."""
+    if row.get("status") == "failed":
+        return "not measured"
+    if key == "recovery_s_max" and row.get("not_recovered"):
+        return f"never ({row['not_recovered']})"
+    v = row.get(key)
+    return "-" if v is None else v
+
+
+_COLUMNS = (("runs", "runs"), ("requests", "requests"), ("wrong_outputs", "wrong outputs"),
+            ("lost_requests", "lost requests"), ("lost_entries", "lost entries"),
+            ("evicted_entries", "evicted entries"),
+            ("unavailable_entries", "unavailable entries"),
+            ("killed_in_flight", "killed in flight"), ("recovery_s", "recovery s (median)"),
+            ("recovery_s_max", "recovery s (max)"), ("errors_logged", "errors logged"))
+
+
 def faults_table(res: dict[str, Any]) -> str:
     from .report import table
 
-    rows = [[r["fault"], r["runs"], r["requests"], r["wrong_outputs"], r["lost_requests"],
-             r["lost_entries"], "-" if r["recovery_s"] is None else r["recovery_s"],
-             r.get("errors_logged", "-"), r.get("error") or r.get("notes", "")]
-            for r in res["rows"]]
-    return table(["fault", "runs", "requests", "wrong outputs", "lost requests",
-                  "lost entries", "recovery s", "errors logged", "notes"], rows)
+    rows = [[r["fault"], "FAILED" if r.get("status") == "failed" else "measured",
+             *(_cell(r, k) for k, _ in _COLUMNS),
+             r.get("error") or r.get("notes", "")] for r in res["rows"]]
+    out = table(["fault", "status", *(h for _, h in _COLUMNS), "notes"], rows)
+    failed = res.get("failed_rows") or summarize(res["rows"])["failed_rows"]
+    if failed:
+        out += (f"\n\n**{len(failed)} of {len(res['rows'])} rows FAILED (not measured: their "
+                f"counts are null, not 0): {', '.join(failed)}.**")
+    opts = res.get("options")
+    if opts:
+        cut = {k: (opts.get(k), DEFAULTS[k]) for k in ("duration", "kills", "requests",
+                                                       "max_tokens") if opts.get(k) != DEFAULTS[k]}
+        out += ("\n\nRun with " + ", ".join(f"{k}={v}" for k, v in opts.items()
+                                            if k in DEFAULTS and v is not None)
+                + (" (reduced from the defaults: " + ", ".join(
+                    f"{k} {d} -> {v}" for k, (v, d) in cut.items()) + ")." if cut else "."))
+    return out
 
 
 def run_cli(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
@@ -446,7 +657,12 @@ def run_cli(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             f"  fault {n} ...", file=sys.stderr, flush=True))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    res = {"rows": rows, "options": opts, "environment": environment(),
+    verdict = summarize(rows)
+    if verdict["failed_rows"]:
+        print(f"bench faults: {len(verdict['failed_rows'])} row(s) FAILED, not measured: "
+              + "; ".join(f"{k} ({v})" for k, v in verdict["failed_reasons"].items()),
+              file=sys.stderr, flush=True)
+    res = {"rows": rows, **verdict, "options": opts, "environment": environment(),
            "uid": os.getuid()}
     return res, faults_table(res)
 

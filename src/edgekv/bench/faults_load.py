@@ -2,7 +2,12 @@
 for `duration` seconds, mixing good requests (streamed, checked against their cold output),
 malformed ones (must be 4xx) and clients that disconnect mid-request. Reported: unexpected
 errors (anything but the answers and the documented 4xx/429), 429s, p50/p99 TTFT, throughput
-and the server's RSS sampled every second (flat memory: its growth after warm-up)."""
+and the server's RSS sampled every second (flat memory: its growth after warm-up). Entries:
+every fragment file seen complete in the server's store (sampled each second and at the end)
+is acknowledged; one that cannot be read (checksum verified) after the server stops is lost.
+The server's own evictions are not reported by key, so an eviction would count as lost here
+(the disk tier's 2 GiB is far above what a run writes). A client thread that raises, or a
+server that dies while loading, fails the row (`HarnessError`): no count is then reported."""
 
 from __future__ import annotations
 
@@ -16,7 +21,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .faults import child_env, cold_texts, edgekv_cmd, fault_prompts, make_row, new_cache_dir
+from .faults import (
+    HarnessError,
+    Watched,
+    child_env,
+    cold_texts,
+    edgekv_cmd,
+    fault_prompts,
+    fragment_files,
+    make_row,
+    new_cache_dir,
+    readable_entries,
+)
 
 __all__ = ["load_fault"]
 
@@ -67,7 +83,8 @@ def load_fault(work: Path, o: dict[str, Any]) -> dict[str, Any]:
     with httpx.Client(base_url=url, timeout=600) as c:
         while c.get("/health").status_code != 200:
             if server.poll() is not None:
-                raise RuntimeError("edgekv serve exited while loading")
+                raise HarnessError(f"edgekv serve exited with status {server.returncode} "
+                                   "while loading")
             time.sleep(0.5)
         model = c.get("/v1/models").json()["data"][0]["id"]
     lock = threading.Lock()
@@ -75,6 +92,8 @@ def load_fault(work: Path, o: dict[str, Any]) -> dict[str, Any]:
                              "disconnects": 0, "unexpected": [], "status": {}, "tokens": 0}
     ttfts: list[float] = []
     rss: list[tuple[float, float]] = []
+    seen: set[str] = set()  # fragment files seen complete in the server's store
+    store_dir = cache / "store"
     stop = threading.Event()
     t_start = time.perf_counter()
     deadline = t_start + float(o["duration"])
@@ -171,10 +190,11 @@ def load_fault(work: Path, o: dict[str, Any]) -> dict[str, Any]:
             m = _rss_mb(server.pid)
             if m is not None:
                 rss.append((time.perf_counter() - t_start, m))
+            seen.update(fragment_files(store_dir))
 
-    sampler = threading.Thread(target=sample, daemon=True)
+    sampler = Watched(sample)
     sampler.start()
-    threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(CLIENTS)]
+    threads = [Watched(client, k, name=f"client-{k}") for k in range(CLIENTS)]
     for t in threads:
         t.start()
     for t in threads:
@@ -182,19 +202,25 @@ def load_fault(work: Path, o: dict[str, Any]) -> dict[str, Any]:
     elapsed = time.perf_counter() - t_start
     stop.set()
     sampler.join()
-    with httpx.Client(base_url=url, timeout=60) as c:
-        healthy = c.get("/health").status_code == 200
+    seen.update(fragment_files(store_dir))
+    try:
+        with httpx.Client(base_url=url, timeout=60) as c:
+            healthy = c.get("/health").status_code == 200
+    except httpx.HTTPError:  # a dead server is a finding (server_alive), not a harness crash
+        healthy = False
     alive = server.poll() is None
     from ..serve.runner import stop_process
 
     stop_process(server)
     server.stdout.close()
     errf.close()
+    Watched.check([sampler, *threads])
+    lost_entries = len(seen - readable_entries(store_dir, seen))
     warm = [m for t, m in rss if t >= 0.25 * elapsed] or [m for _, m in rss]
     n_req = stats["good"] + stats["malformed"] + stats["disconnects"]
     return make_row(
         "serve_load", runs=CLIENTS, requests=n_req, wrong_outputs=stats["wrong"],
-        lost_requests=stats["lost"], lost_entries=0, recovery_s=None,
+        lost_requests=stats["lost"], lost_entries=lost_entries, recovery_s=None,
         how=f"`edgekv serve`, {CLIENTS} loopback clients for {elapsed:.0f} s: 70% good "
         "(streamed, greedy), 15% malformed bodies, 15% disconnects (mid-stream or half a "
         "request)", good=stats["good"], malformed=stats["malformed"],
@@ -210,4 +236,6 @@ def load_fault(work: Path, o: dict[str, Any]) -> dict[str, Any]:
         rss_growth_mb=round(warm[-1] - warm[0], 1) if warm else None,
         rss_mb_median=round(statistics.median(warm), 1) if warm else None,
         rss_samples=len(rss), server_alive=alive, healthy_after=healthy,
-        notes="lost_entries/recovery: not applicable (no store fault)")
+        acked_entries=len(seen),
+        notes="no store fault: entries are checked after the server stops; recovery: not "
+        "applicable")

@@ -22,6 +22,8 @@ from typing import Any
 
 from .faults import (
     Fault,
+    HarnessError,
+    Watched,
     acked,
     answers,
     check_store,
@@ -31,14 +33,18 @@ from .faults import (
     count_wrong,
     drop_dac_override,
     edgekv_cmd,
+    entry_counts,
     fault_prompts,
     first_answer_s,
+    in_flight,
     make_row,
     new_cache_dir,
     read_events,
     readable_entries,
+    removed,
     run_worker,
     start_worker,
+    unseen,
     write_prompts,
 )
 
@@ -139,6 +145,9 @@ def concurrent(work: Path, o: dict[str, Any]) -> dict[str, Any]:
 
         assert server.stdout is not None
         line = server.stdout.readline().decode()
+        if "listening on " not in line:  # the server died before it listened
+            raise HarnessError(f"edgekv serve exited with status {server.wait()} before "
+                               "it listened (see its stderr)")
         url = line.split("listening on ", 1)[1].split()[0]
         with httpx.Client(base_url=url, timeout=600) as c:
             while c.get("/health").status_code != 200 and server.poll() is None:
@@ -146,16 +155,21 @@ def concurrent(work: Path, o: dict[str, Any]) -> dict[str, Any]:
             model = c.get("/v1/models").json()["data"][0]["id"]
             for _ in _until(until):
                 i = rng.randrange(len(prompts))
-                r = c.post("/v1/completions", json={
-                    "model": model, "prompt": prompts[i], "max_tokens": o["max_tokens"],
-                    "temperature": 0})
+                try:
+                    r = c.post("/v1/completions", json={
+                        "model": model, "prompt": prompts[i], "max_tokens": o["max_tokens"],
+                        "temperature": 0})
+                except httpx.HTTPError:  # the server under test died: a lost request
+                    failures["serve"] += 1
+                    if server.poll() is not None:
+                        return
+                    continue
                 if r.status_code != 200:
                     failures["serve"] += 1
                     continue
                 results["serve"].append((i, r.json()["choices"][0]["text"] == texts[i]))
 
-    threads = [threading.Thread(target=cli_loop, daemon=True),
-               threading.Thread(target=serve_loop, daemon=True)]
+    threads = [Watched(cli_loop), Watched(serve_loop)]
     for t in readers + threads:
         t.start()
     rcs = [p.wait() for p in procs]
@@ -163,16 +177,17 @@ def concurrent(work: Path, o: dict[str, Any]) -> dict[str, Any]:
         t.join()
     from ..serve.runner import stop_process
 
+    serve_rc = server.poll()  # None: it was still serving (a crash is a lost request)
     stop_process(server)
     for p in [*procs, server]:
         if p.stdout is not None:
             p.stdout.close()
     errf.close()
+    Watched.check(threads)
     store = cache / "store"
     state = check_store(store)
     all_events = [e for ev in events for e in ev]
-    written = acked(all_events)
-    lost_entries = len(written - readable_entries(store, written))
+    counts = entry_counts(all_events, store)
     recovery, wrong_r, lost_r, _ = _recovery(cache, pf, o, cold)
     n_other = sum(len(v) for v in results.values())
     wrong = (count_wrong(all_events, cold) + sum(not ok for v in results.values() for _, ok in v)
@@ -180,12 +195,16 @@ def concurrent(work: Path, o: dict[str, Any]) -> dict[str, Any]:
     lost = sum(rc != 0 for rc in rcs) + sum(failures.values()) + lost_r
     return make_row(
         "concurrent_processes", runs=len(procs) + 2, requests=len(answers(all_events)) + n_other
-        + 1, wrong_outputs=wrong, lost_requests=lost, lost_entries=lost_entries,
+        + sum(failures.values()) + 1, wrong_outputs=wrong, lost_requests=lost,
+        lost_entries=counts["lost_entries"],
         recovery_s=recovery, how=f"2 worker loops + `edgekv serve` (HTTP client) + `edgekv "
         f"generate` CLI processes one after another, on one cache directory for "
         f"{o['duration']:.0f} s; SQLite WAL + busy timeout, atomic renames",
+        evicted_entries=counts["evicted_entries"], acked_entries=counts["acked_entries"],
         requests_by_process={"workers": len(answers(all_events)), **{
             k: len(v) for k, v in results.items()}},
+        failed_by_process={"workers": sum(rc != 0 for rc in rcs), **failures},
+        serve_exit=serve_rc,
         store_after=state, torn=state["damaged"] + state["temp_files"],
         index_consistent=state["rows_without_file"] == 0 and state["files_without_row"] == 0
         and state["index_ok"] == 1)
@@ -196,19 +215,28 @@ def concurrent(work: Path, o: dict[str, Any]) -> dict[str, Any]:
 def kill9(work: Path, o: dict[str, Any]) -> dict[str, Any]:
     """Loop `kills` times: a worker writes fragments, the index and the semantic index (saved
     after every addition); it is killed with SIGKILL at a random moment after its first
-    answer; the next worker opens the store (repairing it) and must answer as a cold run."""
+    answer; the next worker opens the store (repairing it) and must answer as a cold run.
+
+    Counted apart: `killed_in_flight` (a kill that landed while a request ran: its `ask` had
+    no `answer`; the kill, not the cache, ends it), `lost_entries` (acknowledged, then not
+    readable after the next open, by key, checksum verified) and `evicted_entries` (removed by
+    the store's own capacity or TTL policy). Recovery: each worker after a kill, from its spawn
+    to its first answer (open the model and the store, repair, answer); a worker that never
+    answers did not recover."""
     # find_spec, not import: importing usearch before llama.cpp loads a model makes the
     # model's vocabulary load fail with std::bad_cast (measured; see docs/reliability.md)
-    semantic = importlib.util.find_spec("usearch") is not None
+    semantic = o.get("engine", "llamacpp") != "fake" and \
+        importlib.util.find_spec("usearch") is not None
     prompts, cold, cache, pf = _setup(work, o, semantic=semantic)
     store = cache / "store"
     env = child_env(cache, EDGEKV_INDEX_SAVE_EVERY="1")
     rng = random.Random(o["seed"])
     written: set[str] = set()
+    evicted: set[str] = set()
     lost_total: set[str] = set()
     per_kill: list[int] = []
-    recov: list[float] = []
-    wrong = n_answers = failed_starts = 0
+    recov: list[float | None] = []
+    wrong = n_answers = failed_starts = killed = 0
     torn_seen: dict[str, int] = {"rows_without_file": 0, "files_without_row": 0,
                                  "damaged": 0, "temp_files": 0}
     errf = (work / "stderr.txt").open("wb")
@@ -228,37 +256,44 @@ def kill9(work: Path, o: dict[str, Any]) -> dict[str, Any]:
         proc.stdout.close()
         if not answers(ev):
             failed_starts += 1
+        killed += in_flight(ev) if answers(ev) else 0  # a dead start is counted as lost
         state = check_store(store)  # as the crash left it, before the next process repairs it
         for key in torn_seen:
             torn_seen[key] += state[key]
         written |= acked(ev)
-        lost_now = written - readable_entries(store, written)
+        evicted |= removed(ev)
+        lost_now = written - readable_entries(store, written) - evicted
         per_kill.append(len(lost_now - lost_total))
         lost_total |= lost_now
         wrong += count_wrong(ev, cold)
         n_answers += len(answers(ev))
-        s = first_answer_s(ev)
-        if s is not None:
-            recov.append(s)
+        if k > 0:  # the first worker starts a fresh store: it recovers from nothing
+            recov.append(first_answer_s(ev))
     errf.close()
     rc, ev, _ = run_worker(cache, pf, o, count=len(prompts), semantic=semantic, env=env)
     final = check_store(store)
+    if int(o["kills"]) > 0:
+        recov.append(first_answer_s(ev))
     wrong += count_wrong(ev, cold)
     n_answers += len(answers(ev))
-    recov.sort()
+    evicted |= removed(ev)
+    gone = written - readable_entries(store, written)  # after the final worker, too
+    lost_total |= gone - evicted
     return make_row(
-        "kill9_while_writing", runs=int(o["kills"]), requests=n_answers, wrong_outputs=wrong,
+        "kill9_while_writing", runs=int(o["kills"]), requests=n_answers + killed + failed_starts,
+        wrong_outputs=wrong,
         lost_requests=failed_starts + int(rc != 0 or len(answers(ev)) != len(prompts)),
-        lost_entries=len(lost_total), recovery_s=recov[len(recov) // 2] if recov else None,
+        lost_entries=len(lost_total), recovery_s=recov,
         how="SIGKILL at a uniform random moment 0-3 s after the worker's first answer, "
         f"{int(o['kills'])} times; fragments, SQLite index and "
         f"{'semantic index (saved after every addition)' if semantic else 'no semantic index'}"
         " being written; the next process opens (reconciles) the store and answers",
-        lost_entries_per_kill=per_kill, killed_in_flight=int(o["kills"]),
-        recovery_s_max=round(recov[-1], 3) if recov else None,
+        killed_in_flight=killed, evicted_entries=len(gone & evicted),
+        acked_entries=len(written), lost_entries_per_kill=per_kill,
+        recovery_each_s=[None if r is None else round(r, 3) for r in recov],
         torn_after_kills=torn_seen, store_after_repair=final,
-        notes="in-flight request of each killed process not counted as lost (the kill, "
-        "not the cache, ends it)")
+        notes="killed in flight: requests running when SIGKILL landed (counted apart from "
+        "lost requests: the kill, not the cache, ends them)")
 
 
 # -- resource faults ----------------------------------------------------------------------------
@@ -287,8 +322,7 @@ def disk_full(work: Path, o: dict[str, Any]) -> dict[str, Any]:
     preexec = None if mounted else _fsize_limit(2 * 1024 * 1024)
     try:
         rc, ev, err = run_worker(cache, pf, o, count=len(prompts), preexec=preexec)
-        written = acked(ev)
-        lost_entries = len(written - readable_entries(cache / "store", written))
+        counts = entry_counts(ev, cache / "store")
         if mounted:  # free space: the same files, a larger file system
             subprocess.run(["mount", "-o", "remount,size=256m", str(fs)], check=True)
         recovery, wrong_r, lost_r, err_r = _recovery(cache, pf, o, cold)
@@ -299,9 +333,10 @@ def disk_full(work: Path, o: dict[str, Any]) -> dict[str, Any]:
         "disk_full", runs=1, requests=len(answers(ev)) + 1,
         wrong_outputs=count_wrong(ev, cold) + wrong_r,
         lost_requests=int(rc != 0) + len(prompts) - len(answers(ev)) + lost_r,
-        lost_entries=lost_entries, recovery_s=recovery,
+        lost_entries=counts["lost_entries"], recovery_s=recovery,
         how="real ENOSPC: a 4 MiB tmpfs holds the cache directory" if mounted else
         "real EFBIG: RLIMIT_FSIZE of 2 MiB on the child (no mount permission)",
+        evicted_entries=counts["evicted_entries"], acked_entries=counts["acked_entries"],
         store_errors=_errors(ev), errors_logged=_logged(err),
         recovered_errors_logged=_logged(err_r))
 
@@ -337,15 +372,18 @@ def read_only(work: Path, o: dict[str, Any]) -> dict[str, Any]:
     written = acked(ev0)
     with _read_only(cache) as how:
         rc, ev, err = run_worker(cache, pf, o, count=len(prompts), preexec=drop_dac_override)
-        lost_entries = len(written - readable_entries(cache / "store", written))
+        counts = entry_counts(ev0 + ev, cache / "store", written)
     recovery, wrong_r, lost_r, _ = _recovery(cache, pf, o, cold)
     reused = sum(e["cached"] > 0 for e in answers(ev))
     return make_row(
         "read_only_cache_dir", runs=1, requests=len(answers(ev)) + 1,
         wrong_outputs=count_wrong(ev0, cold) + count_wrong(ev, cold) + wrong_r,
         lost_requests=int(rc0 != 0) + int(rc != 0) + len(prompts) - len(answers(ev)) + lost_r,
-        lost_entries=lost_entries, recovery_s=recovery,
-        how=how, store_errors=_errors(ev), errors_logged=_logged(err), reused_from_read_only=reused)
+        lost_entries=counts["lost_entries"], recovery_s=recovery,
+        how=how, evicted_entries=counts["evicted_entries"],
+        unavailable_entries=unseen(ev, written) if answers(ev) else None,
+        acked_entries=len(written), store_errors=_errors(ev), errors_logged=_logged(err),
+        reused_from_read_only=reused)
 
 
 def no_permission(work: Path, o: dict[str, Any]) -> dict[str, Any]:
@@ -359,16 +397,18 @@ def no_permission(work: Path, o: dict[str, Any]) -> dict[str, Any]:
         rc, ev, err = run_worker(cache, pf, o, count=len(prompts), preexec=drop_dac_override)
     finally:
         os.chmod(cache / "store", 0o700)
-    lost_entries = len(written - readable_entries(cache / "store", written))
+    counts = entry_counts(ev0 + ev, cache / "store", written)
     recovery, wrong_r, lost_r, _ = _recovery(cache, pf, o, cold)
     return make_row(
         "missing_permissions", runs=1, requests=len(answers(ev)) + 1,
         wrong_outputs=count_wrong(ev0, cold) + count_wrong(ev, cold) + wrong_r,
         lost_requests=int(rc0 != 0) + int(rc != 0) + len(prompts) - len(answers(ev)) + lost_r,
-        lost_entries=lost_entries, recovery_s=recovery,
+        lost_entries=counts["lost_entries"], recovery_s=recovery,
         how="store directory mode 000" + (
             ", child without CAP_DAC_OVERRIDE (EACCES)" if ROOT else " (EACCES)"),
-        store_errors=_errors(ev), errors_logged=_logged(err))
+        evicted_entries=counts["evicted_entries"],
+        unavailable_entries=unseen(ev, written) if answers(ev) else None,
+        acked_entries=len(written), store_errors=_errors(ev), errors_logged=_logged(err))
 
 
 def ram_pressure(work: Path, o: dict[str, Any]) -> dict[str, Any]:
@@ -377,15 +417,15 @@ def ram_pressure(work: Path, o: dict[str, Any]) -> dict[str, Any]:
     env = child_env(cache, EDGEKV_RAM_CAPACITY_BYTES=str(4 * 1024 * 1024))
     rc, ev, err = run_worker(cache, pf, o, count=2 * len(prompts), order="random",
                              seed=o["seed"], env=env)
-    written = acked(ev)
-    lost_entries = len(written - readable_entries(cache / "store", written))
+    counts = entry_counts(ev, cache / "store")
     done = [e for e in ev if e.get("event") == "done"]
     return make_row(
         "ram_tier_pressure", runs=1, requests=len(answers(ev)),
         wrong_outputs=count_wrong(ev, cold),
         lost_requests=int(rc != 0) + 2 * len(prompts) - len(answers(ev)),
-        lost_entries=lost_entries, recovery_s=None,
+        lost_entries=counts["lost_entries"], recovery_s=None,
         how="RAM tier capped at 4 MiB (a fragment is ~3 MiB): LRU evicts on every store",
+        evicted_entries=counts["evicted_entries"], acked_entries=counts["acked_entries"],
         reused=sum(e["cached"] > 0 for e in answers(ev)),
         ram_evictions=done[-1]["stats"].get("ram", {}).get("evictions") if done else None,
         errors_logged=_logged(err))
@@ -414,6 +454,7 @@ def privacy(work: Path, o: dict[str, Any]) -> dict[str, Any]:
             mode = stat.S_IMODE(os.stat(name).st_mode)
             if mode & 0o077:
                 loose.append(f"{os.path.relpath(name, cache)}={mode:o}")
+    counts = entry_counts(ev, cache / "store")  # after the CLI process used the store too
     top = stat.S_IMODE(os.stat(cache).st_mode)
     needles = {p.rsplit("Question: ", 1)[1].split("\n")[0] for p in prompts}
     leaks = sum(err.count(n) for n in needles)
@@ -421,10 +462,11 @@ def privacy(work: Path, o: dict[str, Any]) -> dict[str, Any]:
         "privacy_at_rest", runs=1, requests=len(answers(ev)),
         wrong_outputs=count_wrong(ev, cold) + int(not cli_ok),
         lost_requests=int(rc != 0) + len(prompts) - len(answers(ev)) + int(cli.returncode != 0),
-        lost_entries=0, recovery_s=None, how="worker with DEBUG logging and `edgekv -v "
-        "generate`, under umask 022; modes walked, stderr searched for each prompt's question",
-        cache_dir_mode=f"{top:o}", loose_store_modes=loose, prompt_text_in_logs=leaks,
-        log_lines=len(err.splitlines()))
+        lost_entries=counts["lost_entries"], recovery_s=None, how="worker with DEBUG "
+        "logging and `edgekv -v generate`, under umask 022; modes walked, stderr searched for "
+        "each prompt's question", evicted_entries=counts["evicted_entries"],
+        acked_entries=counts["acked_entries"], cache_dir_mode=f"{top:o}",
+        loose_store_modes=loose, prompt_text_in_logs=leaks, log_lines=len(err.splitlines()))
 
 
 FAULTS: dict[str, Fault] = {

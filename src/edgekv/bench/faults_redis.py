@@ -7,11 +7,14 @@ process itself: SIGKILL, `CONFIG SET maxmemory`. Every answer is compared with i
 output (`faults.cold_outputs`: the real engine, no cache, same run). Entries are "acknowledged"
 when the store's `put` returned; an acknowledged entry that cannot be read afterwards is lost,
 unless the fault explains it: keys Redis reported evicting (keyspace notifications) are
-`evicted_entries`, keys on a stopped cluster node are `unavailable_entries` while it is down.
-`recovery_s` is the time from the server being back (restarted; for a full Redis, from the
-first write after the memory is freed) to the store's first cache hit, provided a request then
-reuses as much as the same prompt reused before the fault (`full_reuse_s`: to the end of that
-request, engine time included).
+`evicted_entries`, keys on a stopped server or cluster node are `unavailable_entries` while
+it is down (checked by key before the restart). `recovery_s` is the median, `recovery_s_max`
+the worst, over the fault's recoveries, of the time from the server being back (restarted; for
+a full Redis, from the first write after the memory is freed) to the store's first cache hit,
+provided a request then reuses as much as the same prompt reused before the fault
+(`full_reuse_s`: to the end of that request, engine time included); a recovery that never came
+within the asks allowed is counted in `not_recovered` and makes `recovery_s_max` None.
+`kills_during_request`: kills that landed while a request ran (the request must still answer).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import random
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,8 +32,9 @@ from typing import Any
 
 from ..cache import EdgeKV
 from ..config import CacheConfig
+from ..errors import StoreError
 from ..fragment import KVFragment
-from ..store.base import FragmentStore
+from ..store.base import FragmentStore, Hit
 from ..store.redis import RedisStore
 from . import redis_servers as rs
 from .faults import DEFAULTS, cold_outputs, fault_prompts, make_row, new_cache_dir
@@ -65,6 +69,16 @@ class AckedRedisStore(RedisStore):
                 not self._armed or self.server_of(key) == self._armed):
             self.first_hit, self._armed = time.monotonic(), None
         return frag
+
+    def get_many(self, keys: Sequence[str], now: float | None = None, *,
+                 prefix: bool = False) -> list[Hit | None]:
+        """The batched chain walk (what the cache reads through): its hits count too."""
+        hits = super().get_many(keys, now, prefix=prefix)
+        for key, hit in zip(keys, hits):
+            if hit is not None and self._armed is not None and (
+                    not self._armed or self.server_of(key) == self._armed):
+                self.first_hit, self._armed = time.monotonic(), None
+        return hits
 
     def arm(self, server: str = "") -> float:
         """Start timing a recovery: now, and the time of the next hit (on `server`, if given:
@@ -110,6 +124,7 @@ class Tally:
     muted: bool = False  # while the harness itself reads the store (its logs are not counted)
     last_s: float = 0.0  # how long the last request took
     after: list[int] = field(default_factory=list)  # tokens reused by `until_reuse`'s asks
+    kills_during_request: int = 0  # `ask_while` faults that landed before the answer
 
     def ask(self, i: int) -> int:
         """Answer prompt `i`; return the tokens it reused (-1 if the request failed)."""
@@ -129,12 +144,22 @@ class Tally:
 
     def ask_while(self, i: int, fault: Callable[[], None], rng: random.Random) -> int:
         """Ask prompt `i` and make `fault` happen during it: at a random point within the
-        last request's duration (a kill lands inside the request, or just after it)."""
-        killer = threading.Timer(rng.uniform(0.0, self.last_s), fault)
+        last request's duration (a kill lands inside the request, or just after it: counted
+        in `kills_during_request` when inside)."""
+        running = threading.Event()
+
+        def kill() -> None:
+            inside = running.is_set()
+            fault()
+            self.kills_during_request += inside
+
+        killer = threading.Timer(rng.uniform(0.0, self.last_s), kill)
+        running.set()
         killer.start()
         try:
             return self.ask(i % len(self.eng.prompts))
         finally:
+            running.clear()
             killer.join()
 
     def pass_over(self, n: int | None = None) -> list[int]:
@@ -169,11 +194,11 @@ def counting_logs(tally: Tally) -> Iterator[None]:
 
 def _row(fault: str, t: Tally, store: RedisStore, *, runs: int, lost_entries: int,
          recovery: list[float], how: str, **extra: Any) -> dict[str, Any]:
-    ok = [r for r in recovery if r >= 0]
     return make_row(
         fault, runs=runs, requests=t.requests, wrong_outputs=t.wrong, lost_requests=t.lost,
-        lost_entries=lost_entries, recovery_s=max(ok) if len(ok) == len(recovery) and ok
-        else None, how=how, recovery_each_s=[round(r, 3) for r in recovery],
+        lost_entries=lost_entries, recovery_s=recovery, how=how,
+        recovery_each_s=[round(r, 3) for r in recovery],
+        kills_during_request=t.kills_during_request,
         errors_logged=t.logged["edgekv.store.redis"], errors_counted=store.stats().errors,
         other_warnings={k: v for k, v in t.logged.items() if k != "edgekv.store.redis"},
         **extra)
@@ -188,7 +213,11 @@ def _unreadable(url: str, keys: set[str], t: Tally) -> set[str]:
     """Of `keys`, those a fresh store cannot read (verified decode) right now; its log
     records are not the run's."""
     t.muted = True
-    check = RedisStore(url)
+    try:
+        check = RedisStore(url)
+    except StoreError:  # nothing answers at `url` (a server that is down): none is readable
+        t.muted = False
+        return set(keys)
     try:
         return {k for k in keys if check.get(k) is None}
     finally:
@@ -211,6 +240,7 @@ def restart(eng: Engine, work: Path, opts: dict[str, Any]) -> dict[str, Any]:
         store = AckedRedisStore(srv.url)
         t = Tally(eng, eng.make_kv(store))
         lost, recovery, full_reuse = 0, [], []
+        unavailable: set[str] = set()  # acknowledged keys unreadable during any outage
         with counting_logs(t):
             for _ in range(cycles):
                 t.pass_over()
@@ -222,6 +252,7 @@ def restart(eng: Engine, work: Path, opts: dict[str, Any]) -> dict[str, Any]:
                     t.pass_over(o["requests"])
                     if time.monotonic() - t0 >= outage_s:
                         break
+                unavailable |= _unreadable(srv.url, acked, t)  # while it is down
                 srv.start()
                 back = store.arm()
                 tries = t.until_reuse(0, want, 5 * o["requests"])
@@ -232,7 +263,7 @@ def restart(eng: Engine, work: Path, opts: dict[str, Any]) -> dict[str, Any]:
                     how="redis-server (appendonly, appendfsync always) killed with SIGKILL "
                         "at a random point of a request, restarted on the same port and files "
                         "after the outage",
-                    acked_entries=len(store.acked),
+                    acked_entries=len(store.acked), unavailable_entries=len(unavailable),
                     full_reuse_s=[round(r, 3) for r in full_reuse])
     finally:
         srv.stop()
@@ -319,8 +350,7 @@ def full(eng: Engine, work: Path, opts: dict[str, Any]) -> dict[str, Any]:
             srv.stop()
     return make_row(
         "redis_full", runs=2, requests=total_req, wrong_outputs=total_wrong,
-        lost_requests=total_lost_req, lost_entries=lost,
-        recovery_s=max(recovery) if recovery and min(recovery) >= 0 else None,
+        lost_requests=total_lost_req, lost_entries=lost, recovery_s=recovery,
         how=f"maxmemory set to Redis' own use plus {FILL:.0%} of what half the prompts' entries "
             "used, then the other half and all again: "
             "allkeys-lru evicts (evicted keys come from keyevent notifications), noeviction "
