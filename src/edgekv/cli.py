@@ -168,6 +168,15 @@ def _llama_server(given: str | None) -> Path | None:
     return built if built.is_file() else None
 
 
+def _stock_python(given: str | None) -> Path | None:
+    """The Python of a venv holding llama-cpp-python as a plain `pip install` builds it: the
+    one given, else the one `make stock-llama-cpp-python` builds, if it is there."""
+    if given:
+        return Path(given)
+    built = Path("build/stock-venv/bin/python")
+    return built if built.is_file() else None
+
+
 def _run_bench(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     """Run benchmark `args.name`; its result and its table."""
 
@@ -192,7 +201,8 @@ def _run_bench(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             res = run_serve_bench(model=args.model, requests=args.requests or 40,
                                   max_tokens=args.max_tokens or 48, n_ctx=args.n_ctx,
                                   seed=args.seed, servers=servers, workdir=Path(tmp),
-                                  llama_server=_llama_server(args.llama_server))
+                                  llama_server=_llama_server(args.llama_server),
+                                  stock_python=_stock_python(args.stock_python))
         return res, serve_table(res)
     if args.name == "seed":
         from .bench.plots import seed_table
@@ -392,6 +402,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--llama-server", help="serve, seed: llama.cpp's llama-server binary "
                    "(default: build/llama-server/bin/llama-server, which `make llama-server` "
                    "builds, where present)")
+    b.add_argument("--stock-python", help="serve: the Python of a venv with llama-cpp-python "
+                   "as a plain `pip install` builds it (default: build/stock-venv/bin/python, "
+                   "which `make stock-llama-cpp-python` builds, where present)")
     b.add_argument("--engines", default="llamacpp,torch,onnx",
                    help="engines: which adapters to pair")
     b.add_argument("--engine", choices=["llamacpp", "torch", "onnx"], default="llamacpp",

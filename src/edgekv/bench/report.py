@@ -71,12 +71,24 @@ def write_bench_report(name: str, res: dict[str, Any], text: str,
 
 def serve_table(res: dict[str, Any]) -> str:
     """`edgekv bench serve`: one row per server."""
-    rows = [[n, m["ttft_ms_mean"], m["ttft_ms_p50"], m["ttft_ms_p95"], m["e2e_ms_mean"],
-             m["requests_per_s"], f"{m['cached_tokens']}/{m['prompt_tokens']}",
+    def phase(m: dict[str, Any], key: str) -> str:
+        p = m.get(key)
+        return "-" if not p else (f"{p['ttft_ms_mean']} / {p['ttft_ms_p95']} "
+                                  f"({100 * p['agreement_own_cache_off']:.0f}%)")
+
+    rows = [[n, phase(m, "before_restart"), m.get("edgekv_ttft_ratio_before_restart", "-"),
+             phase(m, "after_restart"), m["ttft_ms_mean"], m["ttft_ms_p95"], m["e2e_ms_mean"],
+             f"{m['cached_tokens']}/{m['prompt_tokens']}",
              f"{100 * m['agreement_own_cache_off']:.1f}%",
-             f"{100 * m['agreement_vs_plain']:.1f}%", m["start_s"],
-             m["ttft_ms_mean_after_restart"], m.get("edgekv_ttft_ratio", "-")]
+             f"{100 * m['agreement_vs_plain']:.1f}%", m.get("edgekv_ttft_ratio", "-")]
             for n, m in res["servers"].items()]
-    return table(["server", "TTFT mean ms", "p50", "p95", "e2e mean ms", "req/s",
-                  "cached/prompt tokens", "= own cache-off", "= plain", "start s",
-                  "TTFT after restart", "TTFT vs EdgeKV"], rows)
+    text = table(["server", "before restart: TTFT mean / p95 ms (= own cache-off)",
+                  "vs EdgeKV before restart", "after restart: mean / p95 (= own)",
+                  "all: TTFT mean", "p95", "e2e mean ms", "cached/prompt tokens",
+                  "= own cache-off", "= plain", "all: vs EdgeKV"], rows)
+    settings = [[n, *(m.get("resolved", {}).get(k) or "-" for k in
+                      ("flash_attn", "n_slots", "prompt_cache", "threads", "system_info"))]
+                for n, m in res["servers"].items()]
+    return text + "\n\nResolved settings, from each server's own log:\n\n" + table(
+        ["server", "flash attention", "slots", "prompt cache", "threads", "system info"],
+        settings)

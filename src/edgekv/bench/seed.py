@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from ..cache import EdgeKV
-from ..chat import render_chat
+from ..chat import ChatTokenizer, render_chat
 from ..config import CacheConfig
 from ..energy import EnergyMeter, joules_to_mah
 from ..errors import ConfigError
@@ -40,6 +40,7 @@ from .modes import (
     StringMode,
 )
 from .report import environment
+from .serve import resolved_settings
 from .workload import ChatHistory, Request, load_workload, render, unique_prompts
 
 __all__ = ["MODES", "REFERENCE", "run_seed_bench"]
@@ -130,15 +131,24 @@ def _prepare(req: Request, history: ChatHistory, adapter: Any, template: str | N
     starts afresh at this turn, as a chat front end would."""
     filled = history.fill(req)
     text = render(filled, template, render_chat)
-    tokens = adapter.tokenize(text)
+    tokens = _tokens(filled, text, adapter, template)
     if len(tokens) + req.max_tokens > n_ctx and req.conversation is not None and req.turn:
         filled = history.restart(req)
         text = render(filled, template, render_chat)
-        tokens = adapter.tokenize(text)
+        tokens = _tokens(filled, text, adapter, template)
     if len(tokens) + req.max_tokens > n_ctx:
         raise ConfigError(f"a request needs {len(tokens) + req.max_tokens} tokens "
                           f"({req.cluster}); raise --n-ctx above {n_ctx}")
     return filled, text, tokens
+
+
+def _tokens(req: Request, text: str, adapter: Any, template: str | None) -> list[int]:
+    """A chat request's tokens as every chat path makes them (`chat.ChatTokenizer`: the
+    messages' text stays text; for these workloads the same ids as `text`'s), else `text`'s."""
+    if req.messages is None:
+        return list(adapter.tokenize(text))
+    return ChatTokenizer(adapter, template).tokens(
+        [{"role": r, "content": c} for r, c in req.messages])
 
 
 def run_seed_bench(*, requests: list[Request] | None = None, n_requests: int = 1000,
@@ -217,6 +227,9 @@ def run_seed_bench(*, requests: list[Request] | None = None, n_requests: int = 1
                          time.perf_counter() - t0)
         res.update(_workload_info(workload, reqs, history, prompt_tokens, threads, ref))
         res["llama_server"] = str(llama_server) if llama_server is not None else None
+        res["llama_server_resolved"] = {  # what its own log says it ran with
+            n: resolved_settings(m.server.log.read_text(errors="replace"))
+            for n, m in modes.items() if isinstance(m, LlamaServerMode)}
         res["ttft_stop"] = ("the first sampled token, detokenized, in every mode (the first "
                             "streamed chunk for llama-cpp-python and llama-server)")
         # how much of what could be reused was: the longest common prefix of each prompt with

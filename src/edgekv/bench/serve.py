@@ -5,22 +5,31 @@ interleaved, each conversation growing turn by turn with the model's own earlier
 a shared long system prompt), side by side in one run:
 
 - `edgekv serve` (cache on, and `--no-cache` as its own reference);
-- `python -m llama_cpp.server` with `--cache true` (LlamaRAMCache) and with `--cache false`;
-- llama.cpp's `llama-server`, built from the llama-cpp-python sdist's vendored tree with the
-  same CPU flags (`make llama-server`), as its users run it: default slots, `cache_prompt` on,
-  its RAM prompt cache, once more with `--cache-reuse 256`, and with `--no-cache-prompt`.
+- `python -m llama_cpp.server` with `--cache true` (LlamaRAMCache) and with `--cache false`,
+  on EdgeKV's build of llama-cpp-python and, given `stock_python`, on the wheel a plain
+  `pip install llama-cpp-python` builds (default flags: `make stock-llama-cpp-python`);
+- llama.cpp's `llama-server`, built stock from the llama-cpp-python sdist's vendored tree as
+  its users build it (`make llama-server`: default flags, llamafile on, no patch), run with
+  its defaults: default slots, `cache_prompt` on, its RAM prompt cache, flash attention
+  `auto`; once more with `--cache-reuse 256`, with `--no-cache-prompt`, and with `-fa off`
+  (cache on and off), so that a difference in its outputs can be told apart from one in its
+  numerics.
 
 Every server gets the same threads, model file and context size. Prompts are rendered once
 with the model's chat template and sent to `/v1/completions`, so every server answers the same
 text (their chat-template engines differ). The reference, plain llama-cpp-python with no cache,
 answers each request first; its answer goes into the conversation's history, so every server
 sees the same prompts. Requests go one at a time, the servers in rotating order, so machine
-drift hits all alike. Mid-run every cache-on server is restarted: what it costs is reported.
+drift hits all alike. Mid-run every cache-on server is restarted: what it costs is reported,
+and every figure is also given for the requests before the restart (what a steady user sees)
+and after it, apart. Each server's resolved settings (flash attention, slots, prompt-cache
+size, threads, CPU features) are read from its own log.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import socket
 import statistics
 import subprocess
@@ -48,6 +57,12 @@ SERVERS: dict[str, tuple[str, bool, str]] = {
     "llama_server": ("llama_server", True, "llama_server_nocache"),
     "llama_server_reuse": ("llama_server", True, "llama_server_nocache"),
     "llama_server_nocache": ("llama_server", False, "llama_server_nocache"),
+    "llama_server_fa_off": ("llama_server", True, "llama_server_fa_off_nocache"),
+    "llama_server_fa_off_nocache": ("llama_server", False, "llama_server_fa_off_nocache"),
+    # `python -m llama_cpp.server` on the wheel a plain `pip install llama-cpp-python` builds
+    "llama_cpp_server_stock": ("llama_cpp_server", True, "llama_cpp_server_stock_nocache"),
+    "llama_cpp_server_stock_nocache": ("llama_cpp_server", False,
+                                       "llama_cpp_server_stock_nocache"),
 }
 REFERENCE = "llama_cpp_server_nocache"  # plain llama-cpp-python: what a user gets, no cache
 
@@ -105,11 +120,16 @@ class Server:
 
 
 def server_command(name: str, *, model: str, n_ctx: int, threads: int, root: Path,
-              llama_server: Path | None) -> tuple[list[str], str] | None:
+                   llama_server: Path | None, stock_python: Path | None = None
+                   ) -> tuple[list[str], str] | None:
     """The command line of server `name` (with `{port}`) and its health path; None where the
-    server is not available (llama-server not built)."""
+    server is not available (llama-server or the stock wheel not built)."""
     system, cache, _ = SERVERS[name]
     py = sys.executable
+    if "_stock" in name:
+        if stock_python is None:
+            return None
+        py = str(stock_python)
     if system == "edgekv":
         cmd = [py, "-m", "edgekv", "serve", "--model", model, "--n-ctx", str(n_ctx),
                "--port", "{port}", "--cache-dir", str(root / name), "--threads", str(threads)]
@@ -129,7 +149,34 @@ def server_command(name: str, *, model: str, n_ctx: int, threads: int, root: Pat
         cmd.append("--no-cache-prompt")
     if name == "llama_server_reuse":
         cmd += ["--cache-reuse", "256"]
+    if name.startswith("llama_server_fa_off"):
+        cmd += ["-fa", "off"]
     return cmd, "/health"
+
+
+# what each server's own log says it resolved to (llama.cpp's log lines, whoever prints them)
+_SETTINGS = {
+    "flash_attn": re.compile(r"Flash Attention was \w+, set to (\w+)|flash_attn\s*=\s*(\w+)"),
+    "n_slots": re.compile(r"n_slots\s*=\s*(\d+)"),
+    "prompt_cache": re.compile(r"prompt cache is (enabled, size limit: [^\n]+|disabled)"),
+    "threads": re.compile(r"n_threads\s*=\s*(\d+ \(n_threads_batch\s*=\s*\d+\))"),
+    "n_ctx": re.compile(r"\bn_ctx\s*=\s*(\d+)"),
+    "system_info": re.compile(r"system_info: ([^\n]+)"),
+    "engine": re.compile(r"engine: (llama\.cpp[^\n]+)"),
+}
+
+
+def resolved_settings(log: str) -> dict[str, str | None]:
+    """The settings a server's log reports: the last value of each (None: not in its log).
+    Flash attention's resolved value ("set to enabled") wins over the requested one (auto)."""
+    out: dict[str, str | None] = {}
+    for key, pattern in _SETTINGS.items():
+        found = [next(g for g in m.groups() if g is not None) for m in pattern.finditer(log)]
+        if key == "flash_attn":
+            told = [m.group(1) for m in pattern.finditer(log) if m.group(1)]
+            found = told or found
+        out[key] = found[-1].strip() if found else None
+    return out
 
 
 def _extra(system: str) -> dict[str, Any]:
@@ -177,11 +224,29 @@ def _pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q * (len(s) - 1))))] if s else 0.0
 
 
+def _phase(rows: list[Answer], own: list[Answer], after: bool) -> dict[str, Any] | None:
+    """The figures of the requests before (or after) the mid-run restart alone."""
+    pairs = [(a, b) for a, b in zip(rows, own) if a.after_restart == after]
+    if not pairs:
+        return None
+    ttft = [a.ttft_s * 1000 for a, _ in pairs]
+    return {"requests": len(pairs), "ttft_ms_mean": round(statistics.fmean(ttft), 1),
+            "ttft_ms_p50": round(_pct(ttft, 0.5), 1), "ttft_ms_p95": round(_pct(ttft, 0.95), 1),
+            "cached_tokens": sum(a.cached_tokens for a, _ in pairs),
+            "agreement_own_cache_off": round(sum(a.text == b.text for a, b in pairs)
+                                             / len(pairs), 4)}
+
+
 def _summary(name: str, rows: list[Answer], own: list[Answer], ref: list[Answer],
              server: Server) -> dict[str, Any]:
     ttft = [a.ttft_s * 1000 for a in rows]
     after = [a.ttft_s * 1000 for a in rows if a.after_restart]
+    before = [a.ttft_s * 1000 for a in rows if not a.after_restart]
     system, cache, own_name = SERVERS[name]
+    try:
+        settings = resolved_settings(server.log.read_text(errors="replace"))
+    except OSError:
+        settings = {}
     return {
         "system": system, "cache": cache, "requests": len(rows),
         "ttft_ms_mean": round(statistics.fmean(ttft), 1),
@@ -197,6 +262,10 @@ def _summary(name: str, rows: list[Answer], own: list[Answer], ref: list[Answer]
             sum(a.text == b.text for a, b in zip(rows, ref)) / len(rows), 4),
         "start_s": [round(s, 2) for s in server.starts],
         "ttft_ms_mean_after_restart": round(statistics.fmean(after), 1) if after else None,
+        "ttft_ms_mean_before_restart": round(statistics.fmean(before), 1) if before else None,
+        "before_restart": _phase(rows, own, after=False),
+        "after_restart": _phase(rows, own, after=True),
+        "resolved": settings,
         "ttft_ms": [round(x, 1) for x in ttft],
         "cached_per_request": [a.cached_tokens for a in rows],
     }
@@ -205,8 +274,8 @@ def _summary(name: str, rows: list[Answer], own: list[Answer], ref: list[Answer]
 def run_serve_bench(*, model: str | None = None, requests: int = 40, users: int = 6,
                     max_tokens: int = 48, n_ctx: int = 2048, seed: int = 0,
                     restart_at: int | None = None, servers: tuple[str, ...] | None = None,
-                    llama_server: Path | None = None, workdir: Path,
-                    progress: bool = True) -> dict[str, Any]:
+                    llama_server: Path | None = None, stock_python: Path | None = None,
+                    workdir: Path, progress: bool = True) -> dict[str, Any]:
     import llama_cpp
     import openai
 
@@ -226,6 +295,8 @@ def run_serve_bench(*, model: str | None = None, requests: int = 40, users: int 
         raise ConfigError(f"unknown servers {sorted(unknown)}; choose from {list(SERVERS)}")
     if llama_server is not None and not llama_server.is_file():
         raise ConfigError(f"{llama_server} does not exist: run `make llama-server`")
+    if stock_python is not None and not stock_python.is_file():
+        raise ConfigError(f"{stock_python} does not exist: run `make stock-llama-cpp-python`")
     vocab = llama_cpp.Llama(path, vocab_only=True, verbose=False)
     template = vocab.metadata.get("tokenizer.chat_template")
     workdir.mkdir(parents=True, exist_ok=True)
@@ -236,7 +307,7 @@ def run_serve_bench(*, model: str | None = None, requests: int = 40, users: int 
     try:
         for name in names:
             got = server_command(name, model=path, n_ctx=n_ctx, threads=threads, root=workdir,
-                            llama_server=llama_server)
+                                 llama_server=llama_server, stock_python=stock_python)
             if got is None:
                 skipped.append(name)
                 continue
@@ -278,6 +349,10 @@ def run_serve_bench(*, model: str | None = None, requests: int = 40, users: int 
     for n, m in out.items():
         if n != "edgekv" and "edgekv" in out:
             m["edgekv_ttft_ratio"] = round(m["ttft_ms_mean"] / out["edgekv"]["ttft_ms_mean"], 3)
+            mine, theirs = out["edgekv"]["before_restart"], m["before_restart"]
+            if mine and theirs:  # the steady user's figure: no restart in between
+                m["edgekv_ttft_ratio_before_restart"] = round(
+                    theirs["ttft_ms_mean"] / mine["ttft_ms_mean"], 3)
     return {
         "bench": "serve", "model": Path(path).name, "requests": len(reqs), "users": users,
         "max_tokens": max_tokens, "n_ctx": n_ctx, "threads": threads, "restart_at": restart_at,
@@ -286,6 +361,8 @@ def run_serve_bench(*, model: str | None = None, requests: int = 40, users: int 
                    "text chunk via the openai client; prompts rendered once with the GGUF chat "
                    "template and sent to /v1/completions; greedy (temperature 0; llama.cpp "
                    "servers also repeat_penalty 1, top_k 1); history = the reference's answers; "
-                   "every cache-on server restarted before request restart_at"),
+                   "every cache-on server restarted before request restart_at; before_restart "
+                   "and after_restart give each phase alone; resolved = what each server's "
+                   "own log says it ran with"),
         "servers": out, "environment": environment(),
     }
