@@ -5,6 +5,8 @@ benchmark's cold page cache really is cold."""
 from __future__ import annotations
 
 import mmap
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,7 @@ import pytest
 from edgekv.bench.reuse import _resident_pages, drop_page_cache
 from edgekv.engines.models import default_model_path
 
-from ..conftest import real_stack
+from ..conftest import real_stack, skip_or_fail
 
 real_stack("real engine", "llama_cpp", check=default_model_path)
 
@@ -45,20 +47,37 @@ def test_state_seq_peer_reuses_prefixes_and_matches_plain() -> None:
         peer.close()
 
 
+def _fs_type(path: Path) -> str:
+    """The type of the file system `path` is on (the longest mount point above it)."""
+    best, kind = "", ""
+    for line in Path("/proc/mounts").read_text().splitlines():
+        mount, fstype = line.split()[1:3]
+        inside = str(path) == mount or str(path).startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) > len(best):
+            best, kind = mount, fstype
+    return kind
+
+
 def test_page_cache_drop_leaves_no_page_resident(tmp_path: Path) -> None:
-    f = tmp_path / "fragments" / "x.bin"
-    f.parent.mkdir()
-    f.write_bytes(b"\x01" * (1 << 20))
-    f.read_bytes()
-    resident, total = _resident_pages(f)
-    assert total == (1 << 20) // mmap.PAGESIZE and resident <= total
-    got = drop_page_cache(tmp_path)
-    assert got["files"] == 1 and got["pages"] == total
-    on_tmpfs = any(line.split()[2] == "tmpfs" and str(tmp_path).startswith(line.split()[1])
-                   and line.split()[1] != "/" for line in Path("/proc/mounts").read_text()
-                   .splitlines())
-    if on_tmpfs:  # tmpfs pages are the file itself: they cannot be dropped
-        pytest.skip("the test directory is on tmpfs")
-    assert got["pages_resident_after_drop"] == 0
-    f.read_bytes()
-    assert _resident_pages(f)[0] > 0  # read back: resident again (mincore sees it)
+    root = tmp_path
+    if _fs_type(root) == "tmpfs":  # tmpfs pages are the file itself: use a disk-backed dir
+        build = Path(__file__).resolve().parents[2] / "build"
+        build.mkdir(exist_ok=True)
+        root = Path(tempfile.mkdtemp(prefix="pagecache-", dir=build))
+        if _fs_type(root) == "tmpfs":
+            skip_or_fail("no disk-backed directory here: tmpfs pages cannot be dropped")
+    try:
+        f = root / "fragments" / "x.bin"
+        f.parent.mkdir()
+        f.write_bytes(b"\x01" * (1 << 20))
+        f.read_bytes()
+        resident, total = _resident_pages(f)
+        assert total == (1 << 20) // mmap.PAGESIZE and resident <= total
+        got = drop_page_cache(root)
+        assert got["files"] == 1 and got["pages"] == total
+        assert got["pages_resident_after_drop"] == 0
+        f.read_bytes()
+        assert _resident_pages(f)[0] > 0  # read back: resident again (mincore sees it)
+    finally:
+        if root != tmp_path:
+            shutil.rmtree(root, ignore_errors=True)

