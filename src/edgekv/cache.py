@@ -34,7 +34,7 @@ from .errors import (
     IncompatibleFragment,
 )
 from .fragment import KVFragment
-from .keys import ChunkKey, chunk_keys, tenant_root
+from .keys import KV_SERVER_TENANTS, ChunkKey, chunk_keys, tenant_root
 from .lookup import Chunk, ChunkReader, PrefixMatch, PrefixMatcher, Router
 from .passages import PassageLayout, PassagePolicy, PassageReuse
 from .request import Filled, FillRequest, FillStep, GenerationResult, PrefetchHook, prepare_tokens
@@ -107,10 +107,12 @@ class EdgeKV:
         plain user runs it), else multiples of the chunk size."""
         return self.adapter.n_ctx if self.token_exact else self.config.chunk_size
 
-    def chunk_keys(self, tokens: Sequence[int], salt: str = "") -> list[ChunkKey]:
-        """Chained keys of the full chunks of `tokens`, in the tenant `salt`'s own chain."""
+    def chunk_keys(self, tokens: Sequence[int], salt: str = "",
+                   namespace: str = KV_SERVER_TENANTS) -> list[ChunkKey]:
+        """Chained keys of the full chunks of `tokens`, in the tenant `salt`'s own chain (of
+        `namespace`, see `keys.tenant_root`)."""
         return chunk_keys(self.fingerprint, tokens, self.config.chunk_size,
-                          tenant_root(self.fingerprint, salt))
+                          tenant_root(self.fingerprint, salt, namespace))
 
     def cached_chunks(self, keys: Sequence[str], now: float | None = None,
                       rejections: list[str] | None = None) -> list[Chunk]:
@@ -127,12 +129,13 @@ class EdgeKV:
     def lookup(self, tokens: Sequence[int], text: str | None = None, *,
                approximate: bool | None = None, now: float | None = None,
                keys: Sequence[str] | None = None, salt: str = "",
-               whole_chunks: bool = False) -> PrefixMatch:
+               whole_chunks: bool = False,
+               namespace: str = KV_SERVER_TENANTS) -> PrefixMatch:
         """What to restore for `tokens` (`PrefixMatcher.match_prefix`); `keys`: the tokens'
         chunk keys under `salt`, if already computed."""
-        keys = self.chunk_keys(tokens, salt) if keys is None else keys
+        keys = self.chunk_keys(tokens, salt, namespace) if keys is None else keys
         return self.matcher.match_prefix(
-            tokens, keys, tenant_root(self.fingerprint, salt), text=text, now=now,
+            tokens, keys, tenant_root(self.fingerprint, salt, namespace), text=text, now=now,
             approximate=self.config.approximate if approximate is None else approximate,
             whole_chunks=whole_chunks)
 
@@ -142,11 +145,14 @@ class EdgeKV:
                  approximate: bool | None = None, top_p: float = 1.0,
                  on_token: TokenCallback | None = None, salt: str = "",
                  fill: FillStep | None = None, passages: Sequence[str] | None = None,
-                 passage_policy: PassagePolicy | None = None) -> GenerationResult:
+                 passage_policy: PassagePolicy | None = None,
+                 namespace: str = KV_SERVER_TENANTS) -> GenerationResult:
         """Answer `prompt` (text, or token ids), reusing what the cache holds for it.
 
         `salt` names a tenant (an API key, an OpenAI `cache_salt`): its prefixes are cached in
-        a chain of its own and never reused for another salt. `on_token` sees each sampled
+        a chain of its own and never reused for another salt; `namespace` says who named it
+        (`keys.tenant_root`: the KV server's tenants by default, as a device names its
+        KV-server tenant; `edgekv serve` salts its own). `on_token` sees each sampled
         token as it comes and may stop the generation by returning False. `fill` extends the
         injected prefix by whole chunks before the rest is prefilled (the SparKV executor,
         `stream.hybrid`); it runs where the match ends on a chunk boundary. `passages`
@@ -163,9 +169,9 @@ class EdgeKV:
         text = prompt if isinstance(prompt, str) else None
         if text is None and self.router is not None and use_cache:
             text = a.detokenize(tokens)
-        keys = self.chunk_keys(tokens, salt)  # once per request: lookup, store, prefetch
+        keys = self.chunk_keys(tokens, salt, namespace)  # once: lookup, store, prefetch
         match = (self.lookup(tokens, text, approximate=approximate, keys=keys, salt=salt,
-                             whole_chunks=fill is not None)
+                             whole_chunks=fill is not None, namespace=namespace)
                  if use_cache else PrefixMatch(0))
         rejections = match.rejections
         if layout is not None and layout.cut(match.n_tokens) < match.n_tokens:
@@ -216,9 +222,9 @@ class EdgeKV:
             if self.token_exact:  # the answer's KV too: the next turn's prompt holds it
                 held = a.token_ids  # prompt + answer, less the last sampled token
                 if len(held) > len(tokens) and held[: len(tokens)] == list(tokens):
-                    seq, seq_keys = held, self.chunk_keys(held, salt)
+                    seq, seq_keys = held, self.chunk_keys(held, salt, namespace)
             stored, written = self.store_new(seq, cached, seq_keys, match.route,
-                                             tenant_root(self.fingerprint, salt))
+                                             tenant_root(self.fingerprint, salt, namespace))
         if layout is not None and store and use_cache and self.passages is not None:
             self.passages.store_missing(layout)  # passages seen first here, computed alone
         self.writeback.record_hits(match)

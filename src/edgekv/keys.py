@@ -19,6 +19,9 @@ from typing import NewType
 import numpy as np
 
 __all__ = [
+    "KV_SERVER_TENANTS",
+    "SERVE_TENANTS",
+    "TENANT_NAMESPACES",
     "ChunkKey",
     "ModelFingerprint",
     "StoreKey",
@@ -89,14 +92,28 @@ def next_key(parent: str, fingerprint: str,
     return ChunkKey(h.hexdigest())
 
 
-def tenant_root(fingerprint: str, salt: str) -> str:
-    """The parent key of a tenant's first chunk: "" without a salt, else a key derived from
-    the salt. Every later key hashes its parent, so one tenant's chain never meets another's
-    (no reuse across tenants, hence no timing channel between them), and a stored fragment
-    still verifies by its own parent key and tokens, without knowing the salt."""
+# Who named a tenant: `edgekv serve` (API-key hashes and clients' `cache_salt`) or the KV
+# server (tenant names proven by their secret, and the device that names its KV-server tenant
+# through `EdgeKV.generate(salt=...)`, the library's default). The same salt in two namespaces
+# is two tenants: a kv-server tenant "bob" never owns serve's `cache_salt="bob"` chain, even
+# over one shared store.
+SERVE_TENANTS = "serve"
+KV_SERVER_TENANTS = "kv-server"
+TENANT_NAMESPACES = (SERVE_TENANTS, KV_SERVER_TENANTS)
+
+
+def tenant_root(fingerprint: str, salt: str, namespace: str) -> str:
+    """The parent key of a tenant's first chunk: "" without a salt (the untenanted chain,
+    shared by everyone), else a key derived from the namespace and the salt. Every later key
+    hashes its parent, so one tenant's chain never meets another's (no reuse across tenants,
+    hence no timing channel between them), and a stored fragment still verifies by its own
+    parent key and tokens, without knowing the salt."""
+    if namespace not in TENANT_NAMESPACES:
+        raise ValueError(f"tenant namespace {namespace!r} is not one of {TENANT_NAMESPACES}")
     if not salt:
         return ""
-    h = hashlib.sha256(b"edgekv-tenant\0" + fingerprint.encode() + b"\0" + salt.encode())
+    h = hashlib.sha256(b"edgekv-tenant\0" + namespace.encode() + b"\0" + fingerprint.encode()
+                       + b"\0" + salt.encode())
     return h.hexdigest()
 
 

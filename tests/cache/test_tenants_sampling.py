@@ -6,7 +6,7 @@ import pytest
 from edgekv import CacheConfig, ConfigError, EdgeKV, open_store
 from edgekv.engines.fake import FakeAdapter
 from edgekv.engines.shared import sample_token
-from edgekv.keys import chunk_keys, tenant_root
+from edgekv.keys import KV_SERVER_TENANTS, chunk_keys, tenant_root
 
 CONTEXT = "The hub connects lights, thermostats and sensors. " * 6
 
@@ -35,10 +35,12 @@ def test_salted_keys_differ_from_the_first_chunk_and_verify(kv):
     plain = chunk_keys(kv.fingerprint, toks, 64)
     salted = kv.chunk_keys(toks, "s")
     assert not set(plain) & set(salted)
-    assert tenant_root(kv.fingerprint, "") == "" and len(tenant_root(kv.fingerprint, "s")) == 64
+    ns = KV_SERVER_TENANTS  # the library's default namespace
+    assert tenant_root(kv.fingerprint, "", ns) == ""
+    assert len(tenant_root(kv.fingerprint, "s", ns)) == 64
     kv.generate(toks, max_tokens=1, salt="s")
     chunk = kv.reader.read(salted[0], 0.0, [])
-    assert chunk is not None and chunk.head.parent_key == tenant_root(kv.fingerprint, "s")
+    assert chunk is not None and chunk.head.parent_key == tenant_root(kv.fingerprint, "s", ns)
 
 
 def test_on_token_sees_each_token_and_can_stop(kv):

@@ -54,3 +54,20 @@ def test_store_keys_name_a_layer_range_and_map_back_to_the_chain():
     group = store_key(chain, (10, 20), 30)
     assert group == f"{chain}.L10-20"
     assert chain_of(group) == chain_of(chain) == chain
+
+
+def test_tenant_roots_keep_serve_and_kv_server_tenants_apart():
+    from edgekv.keys import KV_SERVER_TENANTS, SERVE_TENANTS, tenant_root
+
+    serve, kv_server = tenant_root("fp", "bob", SERVE_TENANTS), tenant_root(
+        "fp", "bob", KV_SERVER_TENANTS)
+    assert serve != kv_server and len(serve) == len(kv_server) == 64  # one salt, two tenants
+    assert tenant_root("fp", "bob", SERVE_TENANTS) == serve  # stable: chains are found again
+    assert tenant_root("fp", "eve", SERVE_TENANTS) != serve
+    assert tenant_root("other", "bob", SERVE_TENANTS) != serve  # bound to the model
+    # no salt: the untenanted chain, one for everyone (shared system prompts stay shared)
+    assert tenant_root("fp", "", SERVE_TENANTS) == tenant_root("fp", "", KV_SERVER_TENANTS) == ""
+    assert chunk_keys("fp", list(range(64)), 64, serve) != chunk_keys(
+        "fp", list(range(64)), 64, kv_server)
+    with pytest.raises(ValueError, match="namespace"):
+        tenant_root("fp", "bob", "servee")

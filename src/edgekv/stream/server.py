@@ -61,7 +61,7 @@ from ..compactor import merge_layers
 from ..config import config_default
 from ..errors import EdgeKVError
 from ..fragment import KVFragment
-from ..keys import next_key, tenant_root
+from ..keys import KV_SERVER_TENANTS, next_key, tenant_root
 from ..lookup import ChunkReader
 from ..serve.errors import client_gone_response
 from ..serve.runner import bind, uvicorn_server
@@ -525,7 +525,7 @@ class KVServer:
         sid = secrets.token_hex(16)
         enc, mac = derive_session_keys(secret, client_nonce, server_nonce)
         session = _Session(SessionCipher(enc), mac, tenant,
-                           tenant_root(self.fingerprint, tenant))
+                           tenant_root(self.fingerprint, tenant, KV_SERVER_TENANTS))
         now = time.time()
         with self._lock:
             self._expire(now)
@@ -657,9 +657,10 @@ class KVServer:
             if self._state == "closed":
                 raise EdgeKVError("the kv-server is shutting down")
             ids = self.engine.prepare(what, max_tokens=1)
-            r = self.engine.generate(ids, max_tokens=1, salt=tenant)
-            keys = self.engine.chunk_keys(ids, tenant)
-        self._remember(list(keys), tenant_root(self.fingerprint, tenant))
+            r = self.engine.generate(ids, max_tokens=1, salt=tenant,
+                                     namespace=KV_SERVER_TENANTS)
+            keys = self.engine.chunk_keys(ids, tenant, KV_SERVER_TENANTS)
+        self._remember(list(keys), tenant_root(self.fingerprint, tenant, KV_SERVER_TENANTS))
         return {"keys": keys, "stored": r.stored_fragments, "prompt_tokens": len(ids)}
 
     def has(self, session: _Session, keys: list[str]) -> list[bool]:
