@@ -37,6 +37,7 @@ from .fragment import KVFragment
 from .keys import KV_SERVER_TENANTS, ChunkKey, chunk_keys, tenant_root
 from .lookup import Chunk, ChunkReader, PrefixMatch, PrefixMatcher, Router
 from .passages import PassageLayout, PassagePolicy, PassageReuse
+from .prefix_index import PrefixIndex
 from .request import Filled, FillRequest, FillStep, GenerationResult, PrefetchHook, prepare_tokens
 from .store.base import FragmentStore
 from .writeback import Writeback
@@ -82,12 +83,15 @@ class EdgeKV:
         if not self.token_exact:
             log.info("reuse is whole %d-token chunks (%s)", self.config.chunk_size,
                      self.granularity_reason)
+        # the chains' shape: matched, inserted and evicted (leaves first) in one place
+        self.index = PrefixIndex(store, self.fingerprint, self.reader.layouts,
+                                 policy=self.config.eviction)
         self.matcher = PrefixMatcher(
-            self.reader, self.config.chunk_size, token_exact=self.token_exact,
+            self.reader, self.index, self.config.chunk_size, token_exact=self.token_exact,
             partial_reuse=self.config.partial_reuse,
             min_reuse_tokens=self.config.min_reuse_tokens, router=router)
-        self.writeback = Writeback(adapter, self.reader, self.config, router=router,
-                                   token_exact=self.token_exact)
+        self.writeback = Writeback(adapter, self.reader, self.index, self.config,
+                                   router=router, token_exact=self.token_exact)
         if router is not None:
             store.add_remove_listener(self.writeback.on_store_remove)
         # opt-in; refused here, with the reason, on engines/models that cannot shift KV
@@ -228,6 +232,7 @@ class EdgeKV:
         if layout is not None and store and use_cache and self.passages is not None:
             self.passages.store_missing(layout)  # passages seen first here, computed alone
         self.writeback.record_hits(match)
+        match.release()  # its answer is stored: the matched path may be evicted again
         if self.prefetcher is not None and use_cache:
             # a request's signature: its deepest full chunk, which names its context
             self.prefetcher.observe(keys[-1] if keys else None)

@@ -37,9 +37,32 @@ __all__ = [
 
 # A chunk's chain key: names the whole prefix up to the chunk's end (see `next_key`).
 ChunkKey = NewType("ChunkKey", str)
-# Where a fragment is stored: its chunk's chain key for a fragment of every layer, else the
-# chain key and its layer range (`store_key`); `chain_of` maps it back.
-StoreKey = NewType("StoreKey", str)
+
+
+@dataclass(frozen=True, slots=True)
+class StoreKey:
+    """Where a fragment of one chunk is stored: the chunk's chain key and the layer range it
+    holds (None: every layer of the model). Typed, so nothing parses a name to learn the
+    chain; `name` is its spelling in a tier (a file name, a Redis key), the only place the
+    `.L<lo>-<hi>` suffix exists."""
+
+    chain: ChunkKey
+    layers: tuple[int, int] | None = None
+
+    @classmethod
+    def of(cls, chain_key: str, layers: tuple[int, int], n_layer: int) -> StoreKey:
+        """The key of layers [lo, hi) of `chain_key` in an `n_layer`-layer model."""
+        whole = tuple(layers) == (0, n_layer)
+        return cls(ChunkKey(chain_key), None if whole else (int(layers[0]), int(layers[1])))
+
+    @property
+    def name(self) -> str:
+        if self.layers is None:
+            return self.chain
+        return f"{self.chain}.L{self.layers[0]}-{self.layers[1]}"
+
+    def __str__(self) -> str:
+        return self.name
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,15 +161,16 @@ def chunk_keys(fingerprint: str, token_ids: Sequence[int], chunk_size: int,
     return keys
 
 
-def store_key(chain_key: str, layers: tuple[int, int], n_layer: int) -> StoreKey:
-    """The store key of the fragment of chunk `chain_key` holding layers [lo, hi): the chain
-    key itself when that is every layer of the model, else `<chain key>.L<lo>-<hi>`."""
-    lo, hi = layers
-    return StoreKey(chain_key if (lo, hi) == (0, n_layer) else f"{chain_key}.L{lo}-{hi}")
+def store_key(chain_key: str, layers: tuple[int, int], n_layer: int) -> str:
+    """The name in a tier of the fragment of chunk `chain_key` holding layers [lo, hi)
+    (`StoreKey.of(...).name`): the chain key itself when that is every layer of the model,
+    else `<chain key>.L<lo>-<hi>`."""
+    return StoreKey.of(chain_key, layers, n_layer).name
 
 
 def chain_of(key: str) -> ChunkKey:
-    """The chain key of the chunk a store key belongs to (the inverse of `store_key`)."""
+    """The chain key of the chunk a stored name belongs to, for callers that only have the
+    name (a tier's listing); code that builds keys carries `StoreKey.chain` instead."""
     return ChunkKey(key.split(".", 1)[0])
 
 

@@ -1,9 +1,11 @@
 """The reuse policy: what KV to restore for a request, as one typed `PrefixMatch`.
 
-`PrefixMatcher.match_prefix` walks one way: the exact chain of whole chunks, then (where reuse
-may end at any token) a radix step into the stored successors of the chain's last chunks,
-then (opt-in approximate mode only) the semantic router's best candidate. The orchestrator
-(`cache.py`) only injects what the match names.
+`PrefixMatcher.match_prefix` walks one way: the exact chain of whole chunks (read in one
+batch: `FragmentStore.get_many`, one round trip to Redis, one query to disk), then (where reuse
+may end at any token) a radix step into the successors of the chain's last chunks that the
+prefix index knows (`prefix_index`), then (opt-in approximate mode only) the semantic router's
+best candidate. The orchestrator (`cache.py`) only injects what the match names, and releases
+the match's pins (`PrefixMatch.lease`) once its answer is stored.
 
 Rules (why each exists):
 - A chunk is identified by its chain key, which hashes the whole prefix; the exact chain walk is
@@ -27,9 +29,10 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from .errors import IncompatibleFragment
-from .fragment import KVFragment, common_prefix
-from .keys import ModelFingerprint, StoreKey, chain_of, next_key, store_key
-from .store.base import FragmentStore
+from .fragment import KVFragment
+from .keys import ModelFingerprint, StoreKey, next_key
+from .prefix_index import Lease, PrefixIndex
+from .store.base import FragmentStore, Hit
 
 if TYPE_CHECKING:
     from .semantic.router import Route
@@ -71,6 +74,9 @@ class PrefixMatch:
     rejections: tuple[str, ...] = ()
     route: Route | None = field(default=None, repr=False)  # the semantic route, if computed
     token_exact: bool = False  # the engine passed the batch-invariance probe
+    # pins on the matched path in the prefix index: `EdgeKV.generate` releases them after
+    # the answer's KV is stored, so no eviction removes what the new chunks hang off
+    lease: Lease | None = field(default=None, repr=False, compare=False)
 
     @property
     def fragments(self) -> tuple[KVFragment, ...]:
@@ -89,6 +95,11 @@ class PrefixMatch:
         return replace(self, tier=route.tier.value, similarity=route.similarity,
                        route_s=route.embed_s + route.search_s, route=route)
 
+    def release(self) -> None:
+        """Unpin the matched path (idempotent)."""
+        if self.lease is not None:
+            self.lease.release()
+
 log = logging.getLogger(__name__)
 
 
@@ -100,7 +111,7 @@ class Chunk:
     chain_key: str
     fragments: tuple[KVFragment, ...]
     store_keys: tuple[StoreKey, ...]
-    tier: str
+    tier: str  # the tier that answered (the slowest of its fragments')
 
     @property
     def head(self) -> KVFragment:
@@ -155,11 +166,20 @@ class ChunkReader:
         return cls(store, fp.digest, fp.n_layer, groups, local_layers=local_layers,
                    window=window)
 
-    def store_key(self, chain_key: str, lo: int, hi: int) -> StoreKey:
-        return store_key(chain_key, (lo, hi), self.n_layer)
+    def key(self, chain_key: str, lo: int, hi: int) -> StoreKey:
+        return StoreKey.of(chain_key, (lo, hi), self.n_layer)
 
-    def store_keys(self, chain_key: str) -> list[StoreKey]:
+    def store_key(self, chain_key: str, lo: int, hi: int) -> str:
+        """The name of layers [lo, hi) of the chunk in a tier (`StoreKey.name`)."""
+        return self.key(chain_key, lo, hi).name
+
+    def store_keys(self, chain_key: str) -> list[str]:
         return [self.store_key(chain_key, lo, hi) for lo, hi in self.layer_groups]
+
+    def layouts(self, chain_key: str) -> list[tuple[str, ...]]:
+        """The ways a chunk is stored: the whole-layer fragment, or the configured groups."""
+        groups = tuple(self.store_keys(chain_key))
+        return [(chain_key,)] if groups == (chain_key,) else [(chain_key,), groups]
 
     def contains(self, chain_key: str) -> bool:
         """Whether every layer of the chunk is stored (whole, or in the configured groups);
@@ -170,45 +190,62 @@ class ChunkReader:
     def read(self, chain_key: str, now: float, rejections: list[str],
              groups: Sequence[tuple[int, int]] | None = None) -> Chunk | None:
         """The chunk stored under `chain_key`: the whole-layer fragment if present (e.g. after
-        compaction), else the configured layer groups (or only `groups` of them); None if
-        anything is missing or wrong."""
+        compaction), else the configured layer groups (or only `groups` of them), each layout
+        in one batch; None if anything is missing or wrong."""
         layouts = [[(0, self.n_layer)]]
         wanted = self.layer_groups if groups is None else list(groups)
         if wanted != [(0, self.n_layer)]:
             layouts.append(wanted)
-        for groups in layouts:
-            frags: list[KVFragment] = []
-            keys: list[StoreKey] = []
-            tier = "store"
-            for lo, hi in groups:
-                key = self.store_key(chain_key, lo, hi)
-                frag = self.store.get(key, now)
-                if frag is None:
-                    break
-                try:
-                    self.verify(frag, chain_key, lo, hi, frags[0] if frags else None)
-                except IncompatibleFragment as e:
-                    log.warning("rejected cached fragment %s: %s", key, e)
-                    rejections.append(f"{key[:16]}: {e}")
-                    return None
-                frags.append(frag)
-                keys.append(key)
-                tier = self.store.last_tier or tier
-            else:
-                return Chunk(chain_key, tuple(frags), tuple(keys), tier)
+        for layout in layouts:
+            keys = [self.key(chain_key, lo, hi) for lo, hi in layout]
+            hits = self.store.get_many([k.name for k in keys], now, prefix=True)
+            if all(h is not None for h in hits):
+                return self._chunk(chain_key, keys, hits, rejections)
         return None
 
     def walk(self, keys: Sequence[str], now: float, rejections: list[str]) -> list[Chunk]:
         """The exact chain walk: verified chunks under `keys`, from the first until one is
-        missing or refused."""
+        missing or refused, read in one batch (a chunk stored otherwise than in the
+        configured groups, e.g. compacted, and those after it are read one by one)."""
+        groups = self.global_groups if self.window else self.layer_groups
+        per_chunk = [[self.key(k, lo, hi) for lo, hi in groups] for k in keys]
+        hits = self.store.get_many([k.name for ks in per_chunk for k in ks], now, prefix=True)
         chunks: list[Chunk] = []
-        groups = self.global_groups if self.window else None
-        for key in keys:
-            chunk = self.read(key, now, rejections, groups)
+        at = 0
+        for i, (key, skeys) in enumerate(zip(keys, per_chunk)):
+            part, at = hits[at : at + len(skeys)], at + len(skeys)
+            if all(h is not None for h in part):
+                chunk = self._chunk(key, skeys, part, rejections)
+            elif groups == [(0, self.n_layer)]:
+                break  # the only layout there is: missing
+            else:
+                chunk = None
+                for k in keys[i:]:
+                    chunk = self.read(k, now, rejections, groups if self.window else None)
+                    if chunk is None:
+                        break
+                    chunks.append(chunk)
+                break
             if chunk is None:
                 break
             chunks.append(chunk)
         return self._with_window(chunks, now, rejections) if self.window else chunks
+
+    def _chunk(self, chain_key: str, keys: Sequence[StoreKey], hits: Sequence[Hit | None],
+               rejections: list[str]) -> Chunk | None:
+        """The chunk of verified `hits` (read under `keys`); None if one is refused."""
+        frags: list[KVFragment] = []
+        for key, frag in zip(keys, [h.fragment for h in hits if h is not None]):
+            lo, hi = key.layers or (0, self.n_layer)
+            try:
+                self.verify(frag, chain_key, lo, hi, frags[0] if frags else None)
+            except IncompatibleFragment as e:
+                log.warning("rejected cached fragment %s: %s", key.name, e)
+                rejections.append(f"{key.name[:16]}: {e}")
+                return None
+            frags.append(frag)
+        tier = hits[-1].tier if hits and hits[-1] is not None else "store"
+        return Chunk(chain_key, tuple(frags), tuple(keys), tier)
 
     def _with_window(self, chunks: list[Chunk], now: float,
                      rejections: list[str]) -> list[Chunk]:
@@ -288,16 +325,19 @@ class ChunkReader:
 
 
 class PrefixMatcher:
-    """The reuse policy over one store: `match_prefix` returns what to restore.
+    """The reuse policy over one store and its prefix index: `match_prefix` returns what to
+    restore, its path pinned in the index.
 
     `token_exact` (the engine passed the batch-invariance probe) lets reuse end at any token;
     otherwise only whole chunks are strict, and the radix step runs only with `partial_reuse`
     or in approximate mode (neither stored nor claimed exact then).
     """
 
-    def __init__(self, reader: ChunkReader, chunk_size: int, *, token_exact: bool,
-                 partial_reuse: bool, min_reuse_tokens: int, router: Router | None) -> None:
-        self.reader, self.chunk_size, self.token_exact = reader, chunk_size, token_exact
+    def __init__(self, reader: ChunkReader, index: PrefixIndex, chunk_size: int, *,
+                 token_exact: bool, partial_reuse: bool, min_reuse_tokens: int,
+                 router: Router | None) -> None:
+        self.reader, self.index, self.chunk_size = reader, index, chunk_size
+        self.token_exact = token_exact
         self.partial_reuse, self.min_reuse_tokens = partial_reuse, min_reuse_tokens
         self.router = router
 
@@ -316,10 +356,11 @@ class PrefixMatcher:
         c, ids, limit = self.chunk_size, np.asarray(tokens, np.int32), len(tokens) - 1
         rejections: list[str] = []
         chunks = self.reader.walk(keys[: limit // c], now, rejections)
+        self._saw(chunks, now)
         n = len(chunks) * c
         best = PrefixMatch(n, tuple(chunks), n, token_exact=self.token_exact)
         if whole_chunks:
-            return replace(best, rejections=tuple(rejections))
+            return self._pinned(replace(best, rejections=tuple(rejections)))
         if self.partial_reuse or approximate or self.token_exact:
             ext = self._successors(ids, chunks, limit, now, rejections, root)
             if ext is not None:
@@ -333,38 +374,46 @@ class PrefixMatcher:
                 if approx is not None and approx.n_tokens > best.n_tokens:
                     best = replace(approx, exact_tokens=n, token_exact=self.token_exact
                                    ).with_route(route)
-        return replace(best, rejections=tuple(rejections))
+        return self._pinned(replace(best, rejections=tuple(rejections)))
 
     # -- private helpers -----------------------------------------------------------------
+
+    def _pinned(self, match: PrefixMatch) -> PrefixMatch:
+        return replace(match, lease=self.index.pin(c.chain_key for c in match.chunks))
+
+    def _saw(self, chunks: Sequence[Chunk], now: float) -> None:
+        """Tell the index what was read and from where (its last access, its tiers)."""
+        for ch in chunks:
+            names = tuple(k.name for k in ch.store_keys)
+            if ch.head.layer_end - ch.head.layer_start != self.reader.n_layer:
+                names = tuple(self.reader.store_keys(ch.chain_key))  # every configured group
+            self.index.saw(ch.chain_key, ch.head.parent_key, ch.token_start,
+                           ch.head.token_ids, names, sum(f.nbytes for f in ch.fragments),
+                           ch.tier, now)
 
     def _successors(self, ids: np.ndarray, exact: list[Chunk], limit: int, now: float,
                     rejections: list[str], root: str) -> tuple[list[Chunk], int] | None:
         """Extend the exact chain with a stored successor whose leading tokens match.
 
-        Candidates are the children of the last two chain keys (a trailing fragment shorter
-        than the minimum span is stored together with the chunk before it, so it hangs one
-        level up). Their token ids come from the store's index; only the best is read. Where
-        reuse may end at any token, any gain is taken (a token costs more to compute than to
-        read); elsewhere at least `min_reuse_tokens`.
+        The prefix index names the candidate (`PrefixIndex.successor`: tokens compared in
+        memory); only the best is read. Where reuse may end at any token, any gain is taken
+        (a token costs more to compute than to read); elsewhere at least `min_reuse_tokens`.
         """
-        c, start = self.chunk_size, len(exact) * self.chunk_size
-        best: tuple[int, int, str] | None = None  # (end, k0, chain key)
-        for k0 in range(max(0, len(exact) - 1), len(exact) + 1):
-            parent = exact[k0 - 1].chain_key if k0 else root
-            for skey, tok in self.reader.store.children(parent):
-                same = common_prefix(tok, ids[k0 * c : limit])
-                end = k0 * c + same
-                gain = end - max(start, best[0] if best else 0)
-                if gain > 0 and (gain >= self.min_reuse_tokens or self.token_exact):
-                    best = (end, k0, chain_of(skey))
+        c = self.chunk_size
+        best = self.index.successor(root, [ch.chain_key for ch in exact], ids, limit, c,
+                                    1 if self.token_exact else self.min_reuse_tokens)
         if best is None:
             return None
-        end, k0, key = best
-        chunk = self.reader.read(key, now, rejections)
+        k0, end = best.k0, best.end
+        chunk = self.reader.read(best.key, now, rejections)
         parent = exact[k0 - 1].chain_key if k0 else root
-        if (chunk is None or chunk.token_start != k0 * c or chunk.head.parent_key != parent
+        if chunk is None:
+            self.index.missed(best.key)
+            return None
+        if (chunk.token_start != k0 * c or chunk.head.parent_key != parent
                 or chunk.head.prefix_len(ids[k0 * c : end]) < end - k0 * c):
             return None
+        self._saw([chunk], now)
         return exact[:k0] + [chunk], end
 
     def _approximate(self, cand: str, ids: np.ndarray, limit: int, now: float,

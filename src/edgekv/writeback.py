@@ -2,9 +2,11 @@
 the store and the semantic index in step.
 
 New KV (the prompt's chunks past what was reused, a trailing partial chunk, the answer's
-tokens) is extracted from the engine and stored in the configured layer groups; the deepest
-fragment carries the request's embedding and gets an index entry. Hits extend TTLs (the seed's
-promotion rule). Entries that leave the store take their index entries with them.
+tokens) is extracted from the engine, stored in the configured layer groups in one batch
+(`FragmentStore.put_many`) and inserted into the prefix index (`PrefixIndex.insert`); the
+deepest fragment carries the request's embedding and gets a semantic index entry. Hits extend
+TTLs (the seed's promotion rule), in one batch. Entries that leave the store take their
+semantic index entries with them.
 """
 
 from __future__ import annotations
@@ -15,12 +17,15 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from .config import CacheConfig
 from .engines.base import FragmentSpec, KVAdapter
 from .errors import EngineError, FragmentError, StoreError
-from .fragment import MAX_SPAN, MIN_SPAN, next_expiry
+from .fragment import MAX_SPAN, MIN_SPAN, KVFragment, next_expiry
 from .keys import chain_of, next_key
 from .lookup import ChunkReader, PrefixMatch, Router
+from .prefix_index import PrefixIndex
 from .store.disk import make_private
 
 if TYPE_CHECKING:
@@ -34,9 +39,9 @@ log = logging.getLogger(__name__)
 class Writeback:
     """Stores new KV for one `EdgeKV` and keeps its store, index and hit counts in step."""
 
-    def __init__(self, adapter: KVAdapter, reader: ChunkReader, config: CacheConfig, *,
-                 router: Router | None, token_exact: bool) -> None:
-        self.adapter, self.reader, self.store = adapter, reader, reader.store
+    def __init__(self, adapter: KVAdapter, reader: ChunkReader, index: PrefixIndex,
+                 config: CacheConfig, *, router: Router | None, token_exact: bool) -> None:
+        self.adapter, self.reader, self.store, self.index = adapter, reader, reader.store, index
         self.config, self.router, self.token_exact = config, router, token_exact
         self.fingerprint = reader.fingerprint
         self._unsaved = 0  # index additions not yet written to disk
@@ -67,33 +72,52 @@ class Writeback:
                  for key, parent, lo, hi in spans
                  for glo, ghi in self.reader.layer_groups
                  if not self.store.contains(self.reader.store_key(key, glo, ghi))]
-        if not specs:
-            return 0, 0
         now = time.time()
+        if not specs:
+            self._insert(tokens, spans, [], now)
+            return 0, 0
         try:
             frags = self.adapter.extract_fragments(specs)
         except (EngineError, FragmentError) as e:
             log.warning("could not extract KV for caching (%s); nothing stored", e)
             return 0, 0
         deepest = max(f.token_end for f in frags)
+        items: list[tuple[str, KVFragment]] = []
         for spec, frag in zip(specs, frags):
             frag = frag.stamped(now, self.config.ttl_s)
             if route is not None and frag.token_end == deepest:
                 frag = replace(frag, embedding=route.embedding)
-            try:
-                self.store.put(self.reader.store_key(spec.chain_key, spec.layer_start,
-                                                     frag.layer_end), frag)
-            except StoreError as e:  # e.g. disk full: the answer is already computed
-                # the store has counted it (stats().errors) and logged the first of its kind
-                log.debug("could not store fragment %s (%s)", spec.chain_key[:12], e)
-                return 0, 0
-        if route is not None and self.router is not None:
-            deep_key = next(s.chain_key for s, f in zip(specs, frags) if f.token_end == deepest)
-            self.router.index.add(deep_key, route.embedding)
+            items.append((self.reader.store_key(spec.chain_key, spec.layer_start,
+                                                frag.layer_end), frag))
+        try:
+            self.store.put_many(items)
+        except StoreError as e:  # e.g. disk full: the answer is already computed
+            # the store has counted it (stats().errors) and logged the first of its kind
+            log.debug("could not store fragments from %s on (%s)", specs[0].chain_key[:12], e)
+            return 0, 0
+        finally:
+            self._insert(tokens, spans, items, now)
+        deep = next((s, f) for s, f in zip(specs, frags) if f.token_end == deepest)
+        if (route is not None and self.router is not None and self.store.contains(
+                self.reader.store_key(deep[0].chain_key, deep[0].layer_start,
+                                      deep[1].layer_end))):  # not refused for want of room
+            self.router.index.add(deep[0].chain_key, route.embedding)
             self._unsaved += 1
             if self._unsaved >= self.config.index_save_every:
                 self.save_index()
         return len(frags), sum(f.nbytes for f in frags)
+
+    def _insert(self, tokens: Sequence[int], spans: Sequence[tuple[str, str, int, int]],
+                items: Sequence[tuple[str, KVFragment]], now: float) -> None:
+        """Tell the prefix index about the chunks of this request past its match, stored now
+        or already (it asks the tiers which hold each), parents first."""
+        sizes = {name: frag.nbytes for name, frag in items}
+        per_token = self.adapter.fingerprint.kv_bytes_per_token
+        for key, parent, start, end in spans:
+            names = self.reader.store_keys(key)
+            nbytes = sum(sizes.get(n, 0) for n in names) or per_token * (end - start)
+            self.index.insert(key, parent, start, np.asarray(tokens[start:end], np.int32),
+                              names, nbytes, now)
 
     def save_index(self) -> None:
         """The index file is rewritten whole, so not after every request: every
@@ -105,15 +129,20 @@ class Writeback:
         self._unsaved = 0
 
     def record_hits(self, match: PrefixMatch) -> None:
+        """New hit counts and expiries of the matched fragments, in one batch."""
         cfg, now = self.config, time.time()
+        items: list[tuple[str, int, float]] = []
         for chunk in match.chunks:
             for skey, frag in zip(chunk.store_keys, chunk.fragments):
                 hits = frag.hit_count + 1
                 expires = next_expiry(hits, now, cfg.ttl_s, cfg.promoted_ttl_s, cfg.promote_hits)
-                try:
-                    self.store.touch(skey, hits, expires, now)
-                except StoreError as e:  # counted and logged by the store; the hit stands
-                    log.debug("could not record a hit on %s (%s)", skey[:12], e)
+                items.append((skey.name, hits, expires))
+        if not items:
+            return
+        try:
+            self.store.touch_many(items, now)
+        except StoreError as e:  # counted and logged by the store; the hit stands
+            log.debug("could not record hits from %s on (%s)", items[0][0][:12], e)
 
     def warm_chain(self, chain_key: str) -> int:
         """Bring the chunks of a chain (back to its start) into the RAM tier; return how many

@@ -71,3 +71,15 @@ def test_tenant_roots_keep_serve_and_kv_server_tenants_apart():
         "fp", list(range(64)), 64, kv_server)
     with pytest.raises(ValueError, match="namespace"):
         tenant_root("fp", "bob", "servee")
+
+
+def test_store_key_is_typed_and_its_name_is_only_its_spelling():
+    from edgekv.keys import StoreKey
+
+    chain = chunk_keys("fp", list(range(64)), 64)[0]
+    whole, group = StoreKey.of(chain, (0, 30), 30), StoreKey.of(chain, (10, 20), 30)
+    assert (whole.chain, whole.layers, whole.name) == (chain, None, chain)
+    assert (group.chain, group.layers) == (chain, (10, 20))
+    assert group.name == str(group) == store_key(chain, (10, 20), 30)
+    assert StoreKey.of(chain, (10, 20), 30) == group and hash(group) == hash(StoreKey.of(
+        chain, (10, 20), 30))

@@ -120,8 +120,11 @@ def test_tiered_promotes_disk_hits_to_ram(tmp_path, fragment_factory):
     ram, disk = MemoryStore(10**8), DiskStore(tmp_path, 10**9)
     disk.put("a", fragment_factory())
     t = TieredStore(ram, disk)
-    assert t.get("a") is not None and t.last_tier == "disk"
-    assert t.get("a") is not None and t.last_tier == "ram"
+    (hit,) = t.get_many(["a"])
+    assert hit is not None and hit.tier == "disk"  # the read says which tier answered
+    (hit,) = t.get_many(["a"])
+    assert hit is not None and hit.tier == "ram"
+    assert not hasattr(t, "last_tier")
 
 
 def test_tiered_clear_tier_empties_one_tier_by_name(tmp_path, fragment_factory):
@@ -129,7 +132,7 @@ def test_tiered_clear_tier_empties_one_tier_by_name(tmp_path, fragment_factory):
     t = TieredStore(ram, disk)
     t.put("a", fragment_factory())
     assert t.clear_tier("ram") == 1 and not ram.contains("a") and disk.contains("a")
-    assert t.get("a") is not None and t.last_tier == "disk"
+    assert t.get_many(["a"])[0].tier == "disk"
     with pytest.raises(StoreError, match="ram, disk"):
         t.clear_tier("ssd")
 
@@ -158,8 +161,73 @@ class _Minimal(FragmentStore):
 def test_protocol_defaults_for_what_a_tier_cannot_offer(fragment_factory):
     s = _Minimal()
     s.put("a", fragment_factory())
-    assert s.children("p0") == [] and s.warm("a") is None and s.last_tier is None
+    assert s.children("p0") == [] and s.warm("a") is None and s.entries() == []
     assert s.add_remove_listener(print) is None and s.persistent_tier() is s
+    assert s.tier_list() == (s,) and s.evictor is None
+    # batched calls default to the per-item ones; a prefix walk stops at the first miss
+    s.put_many([("b", fragment_factory(seed=1)), ("c", fragment_factory(seed=2))])
+    hits = s.get_many(["a", "zz", "b"])
+    assert [h and h.tier for h in hits] == ["minimal", None, "minimal"]
+    assert s.get_many(["a", "zz", "b"], prefix=True)[1:] == [None, None]
     t = TieredStore(MemoryStore(10**8), s)
-    assert t.persistent_tier() is s and t.keys() == ["a"]
+    assert t.persistent_tier() is s and sorted(t.keys()) == ["a", "b", "c"]
+    assert t.tier_list() == (t.tiers[0], s)
     assert t.warm("a") is not None and t.tiers[0].contains("a")  # warmed into RAM
+
+
+def _count_selects(store):
+    seen = []
+    store._db.set_trace_callback(lambda sql: seen.append(sql) if sql.startswith("SELECT")
+                                 else None)
+    return seen
+
+
+def test_disk_reads_a_chain_in_one_index_query(tmp_path, fragment_factory):
+    store = DiskStore(tmp_path, 10**9)
+    store.put_many([(f"k{i}", fragment_factory(chain_key=f"k{i}", seed=i)) for i in range(8)])
+    selects = _count_selects(store)
+    hits = store.get_many([f"k{i}" for i in range(8)])
+    assert all(h is not None and h.tier == "disk" for h in hits)
+    assert [h.fragment.chain_key for h in hits] == [f"k{i}" for i in range(8)]
+    assert len(selects) == 1, selects
+    # a walk stops at the first missing file: what follows it is not read
+    store.delete("k3")
+    hits = store.get_many([f"k{i}" for i in range(8)], prefix=True)
+    assert [h is not None for h in hits] == [True] * 3 + [False] * 5
+    store.touch_many([("k0", 3, 0.0), ("k1", 4, 0.0)])
+    again = DiskStore(tmp_path, 10**9)
+    assert [again.get(k).hit_count for k in ("k0", "k1")] == [3, 4]
+    assert {e.name for e in again.entries()} == {f"k{i}" for i in range(8)} - {"k3"}
+
+
+def test_tiered_walk_reads_the_last_tier_once_and_promotes(tmp_path, fragment_factory):
+    ram, disk = MemoryStore(10**8), DiskStore(tmp_path, 10**9)
+    t = TieredStore(ram, disk)
+    t.put_many([(f"k{i}", fragment_factory(chain_key=f"k{i}", seed=i)) for i in range(6)])
+    ram.delete("k1")
+    ram.delete("k4")
+    selects = _count_selects(disk)
+    hits = t.get_many([f"k{i}" for i in range(6)], prefix=True)
+    assert [h.tier for h in hits] == ["ram", "disk", "ram", "ram", "disk", "ram"]
+    assert len(selects) == 1 and ram.contains("k1") and ram.contains("k4")
+    disk.delete("k2")
+    ram.delete("k2")
+    assert [h is not None for h in t.get_many([f"k{i}" for i in range(6)], prefix=True)] == [
+        True, True, False, False, False, False]
+
+
+def test_memory_evictor_frees_room_and_refuses_what_it_cannot_place(fragment_factory):
+    f = fragment_factory()
+    store = MemoryStore(capacity_bytes=2 * f.nbytes)
+    asked = []
+
+    def evictor(nbytes):
+        asked.append(nbytes)
+        return int(store.delete("a")) * f.nbytes  # "a" may go, nothing else
+
+    store.evictor = evictor
+    for k in ("a", "b", "c"):
+        store.put(k, fragment_factory(chain_key=k))
+    assert asked and not store.contains("a") and store.contains("b") and store.contains("c")
+    store.put("d", fragment_factory(chain_key="d"))  # the evictor frees nothing more
+    assert not store.contains("d") and store.stats().bytes <= store.capacity_bytes

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -14,7 +14,8 @@ from ..errors import CorruptEntry, StoreError
 from ..fragment import KVFragment
 from ..serial import decode_fragment
 
-__all__ = ["FragmentStore", "StoreStats", "check_key", "decode_or_miss", "live_or_miss"]
+__all__ = ["Entry", "FragmentStore", "Hit", "StoreStats", "check_key", "decode_or_miss",
+           "live_or_miss"]
 
 log = logging.getLogger(__name__)
 
@@ -45,19 +46,49 @@ class StoreStats:
     errors: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class Hit:
+    """A fragment read, and the tier that answered ("ram", "disk", "redis")."""
+
+    fragment: KVFragment
+    tier: str
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One entry as a tier's own index lists it, without reading the fragment: what the
+    prefix index is rebuilt from on open (`PrefixIndex.rebuild`)."""
+
+    name: str
+    parent: str
+    tokens: np.ndarray
+    start: int  # the first token's position; -1: not recorded (an older disk index)
+    nbytes: int
+    last_access: float
+    fingerprint: str
+
+
+# Who frees room when a tier is over capacity: None, the tier's own LRU; else a callback
+# asked to free at least n bytes (the prefix index, leaves first), returning what it freed.
+Evictor = Callable[[int], int]
+
+
 @runtime_checkable
 class FragmentStore(Protocol):
-    """A tier of fragments keyed by strings (`keys.StoreKey`). Reads that fail verification
-    are misses.
+    """A tier of fragments keyed by names (`keys.StoreKey.name`); it knows nothing of chains
+    (the prefix index does). Reads that fail verification are misses.
 
     The methods with a body are defaults for what a single tier has nothing to offer; a tier
     subclasses this protocol to inherit them (`MemoryStore`, `DiskStore`, `RedisStore`), and
-    `TieredStore` overrides them across its tiers.
+    `TieredStore` overrides them across its tiers. The batched methods default to the
+    per-item ones; a tier whose calls cost a round trip or a query answers a batch in one.
     """
 
     name: str  # the tier's name in reports ("ram", "disk", "redis")
-    # which tier served the last hit (`TieredStore`); None: not tracked, reports say "store"
-    last_tier: str | None = None
+    evictor: Evictor | None = None
+    # a tier that evicts by itself, unseen (Redis' maxmemory policy) and is shared by other
+    # processes: the prefix index neither evicts from it nor frees what it holds
+    self_evicting: bool = False
 
     def get(self, key: str, now: float | None = None) -> KVFragment | None: ...
 
@@ -86,6 +117,42 @@ class FragmentStore(Protocol):
     def close(self) -> None: ...
 
     # -- with defaults -------------------------------------------------------------------
+
+    def get_many(self, keys: Sequence[str], now: float | None = None, *,
+                 prefix: bool = False) -> list[Hit | None]:
+        """`get` of each key, with the tier that answered; `prefix`: a chain walk, so
+        everything after the first miss is a miss too (and is not read)."""
+        out: list[Hit | None] = []
+        for key in keys:
+            frag = None if prefix and out and out[-1] is None else self.get(key, now)
+            out.append(None if frag is None else Hit(frag, self.name))
+        return out
+
+    def put_many(self, items: Sequence[tuple[str, KVFragment]]) -> None:
+        """`put` of each (key, fragment), in order; the first failure raises `StoreError`."""
+        for key, frag in items:
+            self.put(key, frag)
+
+    def touch_many(self, items: Sequence[tuple[str, int, float]],
+                   now: float | None = None) -> None:
+        """`touch` of each (key, hit count, expiry)."""
+        for key, hits, expires in items:
+            self.touch(key, hits, expires, now)
+
+    def excess_bytes(self) -> int:
+        """Bytes held past the tier's capacity (what its evictor must free). Default: a
+        tier without a capacity of its own is never over it."""
+        return 0
+
+    def entries(self) -> list[Entry]:
+        """What the tier holds, from its own index (no fragment read). Default: a tier that
+        cannot list cheaply lists nothing, and the prefix index learns its entries as they
+        are read."""
+        return []
+
+    def tier_list(self) -> tuple[FragmentStore, ...]:
+        """The single tiers behind this store, fastest first (`TieredStore`: each of its)."""
+        return (self,)
 
     def children(self, parent: str) -> list[tuple[str, np.ndarray]]:
         """The entries whose fragment follows the chunk keyed `parent` (store key, token

@@ -25,7 +25,7 @@ import sqlite3
 import stat
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +33,7 @@ import numpy as np
 from ..errors import CorruptEntry, StoreError
 from ..fragment import KVFragment
 from ..serial import decode_fragment, encode_fragment
-from .base import FragmentStore, StoreStats, check_key, decode_or_miss, live_or_miss
+from .base import Entry, FragmentStore, Hit, StoreStats, check_key, decode_or_miss, live_or_miss
 
 __all__ = ["DiskStore", "make_private"]
 
@@ -64,16 +64,32 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS entries_v2 (
     key TEXT PRIMARY KEY, nbytes INTEGER NOT NULL, expires_at REAL NOT NULL,
     hit_count INTEGER NOT NULL, last_access REAL NOT NULL, fingerprint TEXT NOT NULL,
-    parent TEXT NOT NULL, tokens BLOB NOT NULL);
+    parent TEXT NOT NULL, tokens BLOB NOT NULL, token_start INTEGER NOT NULL DEFAULT -1);
 CREATE INDEX IF NOT EXISTS entries_v2_parent ON entries_v2(parent);
 """
+_COLUMNS = ("key, nbytes, expires_at, hit_count, last_access, fingerprint, parent, tokens, "
+            "token_start")
+_INSERT = f"INSERT OR REPLACE INTO entries_v2 ({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?)"
+
+
+def _add_token_start(db: sqlite3.Connection) -> None:
+    """An index written before rows carried their token start gets the column (-1 until
+    the row is written again; the prefix index then places it by its parent)."""
+    cols = {r[1] for r in db.execute("PRAGMA table_info(entries_v2)")}
+    if "token_start" not in cols:
+        db.execute("ALTER TABLE entries_v2 ADD COLUMN token_start INTEGER NOT NULL DEFAULT -1")
 
 
 class DiskStore(FragmentStore):
+    """`durable=False` skips the fsync of each file (bulk loads in benchmarks: a crash may
+    then lose recent files, which the next open drops like any missing file)."""
+
     name = "disk"
-    def __init__(self, root: Path, capacity_bytes: int) -> None:
+
+    def __init__(self, root: Path, capacity_bytes: int, *, durable: bool = True) -> None:
         self.root = Path(root)
         self.capacity_bytes = capacity_bytes
+        self.durable = durable
         self._dir = self.root / "fragments"
         self._lock = threading.Lock()
         self._stats = StoreStats(tier="disk", capacity_bytes=capacity_bytes)
@@ -90,42 +106,51 @@ class DiskStore(FragmentStore):
     # -- public API ----------------------------------------------------------------------
 
     def get(self, key: str, now: float | None = None) -> KVFragment | None:
-        now = time.time() if now is None else now
-        path = self._path(check_key(key))
-        try:
-            blob = path.read_bytes()
-        except FileNotFoundError:
-            self._stats.misses += 1
-            return None
-        except OSError as e:
-            self._fail("read", e)
-            self._stats.misses += 1
-            return None
-        frag = decode_or_miss(blob, key, self._stats, self.delete)
-        if frag is None:
-            return None
-        try:
-            with self._lock:
-                row = self._db.execute(
-                    "SELECT hit_count, expires_at FROM entries_v2 WHERE key=?", (key,)
-                ).fetchone()
-                if row is None:  # file without index row: adopt it
-                    row = (frag.hit_count, frag.expires_at)
-                    self._upsert(key, len(blob), frag, now)
-                self._db.execute("UPDATE entries_v2 SET last_access=? WHERE key=?", (now, key))
-                self._db.commit()
-        except sqlite3.Error as e:  # locked for too long, read-only, disk full
-            self._fail("index", e)
-            row = (frag.hit_count, frag.expires_at)
-        frag = frag.with_lifecycle(hit_count=int(row[0]), expires_at=float(row[1]))
-        return live_or_miss(frag, key, now, self._stats, self.delete)
+        hit = self.get_many([key], now)[0]
+        return None if hit is None else hit.fragment
 
     def put(self, key: str, fragment: KVFragment) -> None:
+        self.put_many([(key, fragment)])
+
+    def put_many(self, items: Sequence[tuple[str, KVFragment]]) -> None:
+        """Each fragment in a file of its own (atomic rename), then their index rows in one
+        transaction; a failed write raises `StoreError` after the rows of those before it."""
+        written: list[tuple[str, int, KVFragment]] = []
+        error: StoreError | None = None
+        for key, fragment in items:
+            try:
+                size = self._write_file(key, fragment)
+            except StoreError as e:
+                error = e
+                break
+            if size:
+                written.append((key, size, fragment))
+        try:
+            with self._lock:
+                now = time.time()
+                for key, size, fragment in written:
+                    self._upsert(key, size, fragment, now)
+                self._db.commit()
+        except sqlite3.Error as e:
+            # the files are complete and verifiable: the next process that opens the store
+            # adopts them, and `get` adopts them now (it reads files, not rows)
+            self._fail("index", e)
+            written = []
+        if written and error is None and self._failing:
+            self._failing = False
+            log.info("disk store %s: writes succeed again", self.root)
+        if written:
+            self._enforce_capacity()
+        if error is not None:
+            raise error
+
+    def _write_file(self, key: str, fragment: KVFragment) -> int:
+        """Write `key`'s file atomically; its size, or 0 if it is larger than the tier."""
         path = self._path(check_key(key))
         blob = encode_fragment(fragment)
         if len(blob) > self.capacity_bytes:
             log.debug("fragment %s (%d B) exceeds disk capacity; not stored", key, len(blob))
-            return
+            return 0
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
             if not path.parent.is_dir():
@@ -133,8 +158,9 @@ class DiskStore(FragmentStore):
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with open(fd, "wb") as f:
                 f.write(blob)
-                f.flush()
-                os.fsync(f.fileno())
+                if self.durable:
+                    f.flush()
+                    os.fsync(f.fileno())
             os.replace(tmp, path)
         except OSError as e:
             try:
@@ -143,28 +169,72 @@ class DiskStore(FragmentStore):
                 pass
             self._fail("write", e)
             raise StoreError(f"cannot write {path}: {e}. Check free space and permissions.") from e
+        return len(blob)
+
+    def get_many(self, keys: Sequence[str], now: float | None = None, *,
+                 prefix: bool = False) -> list[Hit | None]:
+        """The files of `keys` and their lifecycle rows in one index query (plus one update of
+        their last access); `prefix`: stop reading at the first missing file."""
+        now = time.time() if now is None else now
+        names = [check_key(k) for k in keys]
         try:
             with self._lock:
-                self._upsert(key, len(blob), fragment, time.time())
-                self._db.commit()
+                rows = {r[0]: (int(r[1]), float(r[2])) for part in _parts(names)
+                        for r in self._db.execute(
+                            "SELECT key, hit_count, expires_at FROM entries_v2 WHERE key IN "
+                            f"({','.join('?' * len(part))})", part)}
         except sqlite3.Error as e:
-            # the file is complete and verifiable: the next process that opens the store adopts
-            # it, and `get` adopts it now (it reads files, not rows)
             self._fail("index", e)
-            return
-        if self._failing:
-            self._failing = False
-            log.info("disk store %s: writes succeed again", self.root)
-        self._enforce_capacity()
+            rows = {}
+        out: list[Hit | None] = [None] * len(names)
+        adopt: list[tuple[str, int, KVFragment]] = []
+        for i, key in enumerate(names):
+            try:
+                blob = self._path(key).read_bytes()
+            except OSError as e:
+                if not isinstance(e, FileNotFoundError):
+                    self._fail("read", e)
+                self._stats.misses += 1
+                if prefix:
+                    break
+                continue
+            frag = decode_or_miss(blob, key, self._stats, self.delete)
+            if frag is not None:
+                if key not in rows:  # file without index row: adopt it
+                    adopt.append((key, len(blob), frag))
+                    rows[key] = (frag.hit_count, frag.expires_at)
+                hits, expires = rows[key]
+                frag = live_or_miss(frag.with_lifecycle(hit_count=hits, expires_at=expires),
+                                    key, now, self._stats, self.delete)
+            if frag is None:
+                if prefix:
+                    break
+                continue
+            out[i] = Hit(frag, self.name)
+        read = [k for k, h in zip(names, out) if h is not None]
+        if read:
+            try:
+                with self._lock:
+                    for key, size, frag in adopt:
+                        self._upsert(key, size, frag, now)
+                    self._db.executemany("UPDATE entries_v2 SET last_access=? WHERE key=?",
+                                         [(now, k) for k in read])
+                    self._db.commit()
+            except sqlite3.Error as e:  # locked for too long, read-only, disk full
+                self._fail("index", e)
+        return out
 
     def touch(self, key: str, hit_count: int, expires_at: float, now: float | None = None) -> None:
+        self.touch_many([(key, hit_count, expires_at)], now)
+
+    def touch_many(self, items: Sequence[tuple[str, int, float]],
+                   now: float | None = None) -> None:
         now = time.time() if now is None else now
         try:
             with self._lock:
-                self._db.execute(
+                self._db.executemany(
                     "UPDATE entries_v2 SET hit_count=?, expires_at=?, last_access=? WHERE key=?",
-                    (hit_count, expires_at, now, key),
-                )
+                    [(hits, expires, now, key) for key, hits, expires in items])
                 self._db.commit()
         except sqlite3.Error as e:  # a hit is still a hit; its promotion waits
             self._fail("index", e)
@@ -231,6 +301,23 @@ class DiskStore(FragmentStore):
     def keys(self) -> list[str]:
         with self._lock:
             return [r[0] for r in self._db.execute("SELECT key FROM entries_v2 ORDER BY key")]
+
+    def entries(self) -> list[Entry]:
+        """Every row of the index (the prefix index is rebuilt from them on open)."""
+        try:
+            with self._lock:
+                rows = self._db.execute("SELECT key, parent, tokens, token_start, nbytes, "
+                                        "last_access, fingerprint FROM entries_v2").fetchall()
+        except sqlite3.Error as e:
+            self._fail("index", e)
+            return []
+        return [Entry(k, p, np.frombuffer(t, dtype="<i4"), int(s), int(n), float(a), fp)
+                for k, p, t, s, n, a, fp in rows]
+
+    def excess_bytes(self) -> int:
+        with self._lock:
+            total = self._db.execute("SELECT COALESCE(SUM(nbytes),0) FROM entries_v2").fetchone()[0]
+        return max(0, int(total) - self.capacity_bytes)
 
     def stats(self) -> StoreStats:
         with self._lock:
@@ -300,6 +387,7 @@ class DiskStore(FragmentStore):
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: no fsync per access update
             db.executescript(_SCHEMA)
+            _add_token_start(db)
             db.commit()
             _private_file(path)
             self._reconcile(db)
@@ -338,8 +426,7 @@ class DiskStore(FragmentStore):
         for path in paths:
             try:
                 frag = decode_fragment(path.read_bytes())
-                db.execute("INSERT OR REPLACE INTO entries_v2 VALUES (?,?,?,?,?,?,?,?)",
-                           self._row(path.stem, path.stat().st_size, frag, now))
+                db.execute(_INSERT, self._row(path.stem, path.stat().st_size, frag, now))
             except (CorruptEntry, OSError) as e:
                 if not drop_damaged:
                     continue
@@ -353,11 +440,10 @@ class DiskStore(FragmentStore):
     @staticmethod
     def _row(key: str, nbytes: int, frag: KVFragment, now: float) -> tuple[object, ...]:
         return (key, nbytes, frag.expires_at, frag.hit_count, now, frag.model_fingerprint,
-                frag.parent_key, frag.token_ids.astype("<i4").tobytes())
+                frag.parent_key, frag.token_ids.astype("<i4").tobytes(), frag.token_start)
 
     def _upsert(self, key: str, nbytes: int, frag: KVFragment, now: float) -> None:
-        self._db.execute("INSERT OR REPLACE INTO entries_v2 VALUES (?,?,?,?,?,?,?,?)",
-                         self._row(key, nbytes, frag, now))
+        self._db.execute(_INSERT, self._row(key, nbytes, frag, now))
 
     def _forget(self, key: str) -> None:
         try:
@@ -368,11 +454,16 @@ class DiskStore(FragmentStore):
             self._fail("index", e)
 
     def _enforce_capacity(self) -> None:
+        """Past capacity, the evictor (the prefix index: leaves first) frees room; what it
+        cannot free (entries it does not know, e.g. another process's), the tier's own
+        order: expired first, then least recently used."""
+        if self.evictor is not None:
+            while (over := self.excess_bytes()) > 0 and self.evictor(over) > 0:
+                pass
         with self._lock:
             total = self._db.execute("SELECT COALESCE(SUM(nbytes),0) FROM entries_v2").fetchone()[0]
             if total <= self.capacity_bytes:
                 return
-            # expired first, then least recently used
             rows = self._db.execute(
                 "SELECT key, nbytes FROM entries_v2"
                 " ORDER BY (expires_at > 0 AND expires_at <= ?) DESC, last_access ASC",
@@ -384,6 +475,11 @@ class DiskStore(FragmentStore):
             self.delete(key)
             total -= nbytes
             self._stats.evictions += 1
+
+
+def _parts(names: list[str], size: int = 500) -> list[list[str]]:
+    """`names` in slices that fit SQLite's limit on bound parameters."""
+    return [names[i : i + size] for i in range(0, len(names), size)]
 
 
 def _writable(path: Path) -> bool:

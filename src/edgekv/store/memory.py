@@ -1,4 +1,5 @@
-"""RAM tier: an LRU over fragments with a capacity in bytes."""
+"""RAM tier: fragments with a capacity in bytes. Past it, the tier's `evictor` (the prefix
+index: leaves first) frees room; without one, the least recently used entries go."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ..fragment import KVFragment
-from .base import FragmentStore, StoreStats, check_key
+from .base import Entry, FragmentStore, StoreStats, check_key
 
 __all__ = ["MemoryStore"]
 
@@ -60,6 +61,7 @@ class MemoryStore(FragmentStore):
     def put(self, key: str, fragment: KVFragment) -> None:
         try:
             self._put(key, fragment)
+            self._make_room(key)
         finally:
             self._notify()
 
@@ -75,10 +77,35 @@ class MemoryStore(FragmentStore):
             self._items[key] = fragment
             self._children.setdefault(fragment.parent_key, set()).add(key)
             self._bytes += size
-            while self._bytes > self.capacity_bytes:
-                old, _ = next(iter(self._items.items()))
-                self._drop(old)
-                self._stats.evictions += 1
+            if self.evictor is None:
+                while self._bytes > self.capacity_bytes:
+                    old, _ = next(iter(self._items.items()))
+                    self._drop(old)
+                    self._stats.evictions += 1
+
+    def _make_room(self, key: str) -> None:
+        """With an evictor: ask it for room (outside the lock: it deletes through this
+        store); if it cannot free enough (what is left is in use), `key` is not kept here."""
+        if self.evictor is None:
+            return
+        while (over := self.excess_bytes()) > 0:
+            self._notify()
+            freed = self.evictor(over)
+            if freed <= 0:
+                with self._lock:
+                    if self._bytes > self.capacity_bytes and self._drop(key):
+                        self._stats.evictions += 1
+                return
+
+    def excess_bytes(self) -> int:
+        with self._lock:
+            return max(0, self._bytes - self.capacity_bytes)
+
+    def entries(self) -> list[Entry]:
+        with self._lock:
+            return [Entry(k, f.parent_key, f.token_ids, f.token_start, f.nbytes, 0.0,
+                          f.model_fingerprint)
+                    for k, f in self._items.items()]
 
     def touch(self, key: str, hit_count: int, expires_at: float, now: float | None = None) -> None:
         with self._lock:

@@ -29,7 +29,7 @@ import dataclasses
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -38,7 +38,7 @@ import numpy as np
 from ..errors import StoreError
 from ..fragment import KVFragment
 from ..serial import encode_fragment
-from .base import FragmentStore, StoreStats, check_key, decode_or_miss, live_or_miss
+from .base import Entry, FragmentStore, Hit, StoreStats, check_key, decode_or_miss, live_or_miss
 
 __all__ = ["RedisStore", "cluster_nodes", "redact"]
 
@@ -69,6 +69,7 @@ def cluster_nodes(url: str) -> list[tuple[str, int]]:
 
 class RedisStore(FragmentStore):
     name = "redis"
+    self_evicting = True  # maxmemory and its policy, on the server; shared by processes
 
     def __init__(self, url: str, *, prefix: str = "edgekv", timeout_s: float = 2.0,
                  retry_s: float = 1.0) -> None:
@@ -111,6 +112,9 @@ class RedisStore(FragmentStore):
         self._failing: set[tuple[str, str]] = set()  # (server, "unreachable" | error type)
         self._skip_until: dict[str, float] = {}  # server -> monotonic time of the next try
         self._last_size = (0, 0)
+        # requests sent: a command or a pipeline each (a cluster pipeline writes to every
+        # node it needs, then reads their answers: one round trip, nodes in parallel)
+        self.round_trips = 0
 
     # -- keys ------------------------------------------------------------------------------
 
@@ -172,6 +176,7 @@ class RedisStore(FragmentStore):
         if self._skipping(server):
             self._stats.errors += 1
             return default
+        self.round_trips += 1
         try:
             out = fn()
         except self._errors as e:
@@ -183,17 +188,43 @@ class RedisStore(FragmentStore):
     # -- the protocol ----------------------------------------------------------------------
 
     def get(self, key: str, now: float | None = None) -> KVFragment | None:
-        check_key(key)
-        missing = object()
+        hit = self.get_many([key], now)[0]
+        return None if hit is None else hit.fragment
 
-        def read() -> tuple[Any, Any]:
-            p = self._r.pipeline(transaction=False)
-            p.get(self._k("frag", key))
-            p.hgetall(self._k("meta", key))
-            return tuple(p.execute())
+    def get_many(self, keys: Sequence[str], now: float | None = None, *,
+                 prefix: bool = False) -> list[Hit | None]:
+        """Every fragment and its lifecycle hash in one pipeline per server: a chain walk is
+        one round trip to a single Redis; on a cluster, one to each node holding a part (so
+        a node that is down costs only its own chunks, and is logged and skipped as such)."""
+        names = [check_key(k) for k in keys]
+        by_server: dict[str, list[int]] = {}
+        for i, key in enumerate(names):
+            by_server.setdefault(self.server_of(key), []).append(i)
+        replies: list[Any] = [None] * (2 * len(names))
+        for where in by_server.values():
+            mine = [names[i] for i in where]
 
-        blob, meta = self._call("get", key, read, (missing, None))
-        if blob is missing or blob is None:
+            def read(mine: list[str] = mine) -> list[Any]:
+                p = self._r.pipeline(transaction=False)
+                for key in mine:
+                    p.get(self._k("frag", key))
+                    p.hgetall(self._k("meta", key))
+                return list(p.execute())
+
+            got = self._call("get", mine[0], read, None)
+            if got is not None:
+                for j, i in enumerate(where):
+                    replies[2 * i : 2 * i + 2] = got[2 * j : 2 * j + 2]
+        out: list[Hit | None] = []
+        for i, key in enumerate(names):
+            frag = self._decode(key, replies[2 * i], replies[2 * i + 1], now)
+            if frag is None and prefix:
+                return out + [None] * (len(names) - len(out))
+            out.append(None if frag is None else Hit(frag, self.name))
+        return out
+
+    def _decode(self, key: str, blob: Any, meta: Any, now: float | None) -> KVFragment | None:
+        if blob is None:
             self._stats.misses += 1
             return None
         frag = decode_or_miss(blob, key, self._stats, self.delete)
@@ -236,15 +267,26 @@ class RedisStore(FragmentStore):
             raise StoreError(f"cannot write {key[:16]} to Redis: {e}") from e
 
     def touch(self, key: str, hit_count: int, expires_at: float, now: float | None = None) -> None:
-        def write() -> None:
-            p = self._r.pipeline(transaction=True)
-            p.hset(self._k("meta", key), mapping={"hit_count": hit_count,
-                                                   "expires_at": expires_at})
-            p.pexpireat(self._k("frag", key), int(expires_at * 1000))
-            p.pexpireat(self._k("meta", key), int(expires_at * 1000))
-            p.execute()
+        self.touch_many([(key, hit_count, expires_at)], now)
 
-        self._call("touch", key, write, None)
+    def touch_many(self, items: Sequence[tuple[str, int, float]],
+                   now: float | None = None) -> None:
+        """Every hit in one pipeline per server (on a single Redis one MULTI/EXEC; a cluster
+        node's slots differ, so its pipeline is not a transaction)."""
+        by_server: dict[str, list[tuple[str, int, float]]] = {}
+        for item in items:
+            by_server.setdefault(self.server_of(item[0]), []).append(item)
+        for mine in by_server.values():
+            def write(mine: list[tuple[str, int, float]] = mine) -> None:
+                p = self._r.pipeline(transaction=not self.cluster)
+                for key, hit_count, expires_at in mine:
+                    p.hset(self._k("meta", key), mapping={"hit_count": hit_count,
+                                                           "expires_at": expires_at})
+                    p.pexpireat(self._k("frag", key), int(expires_at * 1000))
+                    p.pexpireat(self._k("meta", key), int(expires_at * 1000))
+                p.execute()
+
+            self._call("touch", mine[0][0], write, None)
 
     def contains(self, key: str) -> bool:
         check_key(key)
@@ -264,6 +306,23 @@ class RedisStore(FragmentStore):
             elif held is not None:  # expired or evicted: dropped from the list; but not when
                 # its node could not say (a cluster node down): it is back with the node
                 self._call("children", parent or "_root", partial(self._r.hdel, hkey, k), None)
+        return out
+
+    def entries(self) -> list[Entry]:
+        """What the successor lists name (parent, tokens; neither size nor position, which
+        the prefix index learns when they are read): one scan and one read per list, at
+        open. A server down: nothing listed (the exact walk still finds every chain)."""
+        try:
+            lists = self._scan("children")
+        except StoreError:
+            return []
+        out = []
+        for hkey in lists:
+            parent = self._store_key(hkey, "children")
+            rows = self._call("entries", None, partial(self._r.hgetall, hkey), {})
+            for name, tok in rows.items():
+                out.append(Entry(name.decode(), "" if parent == "_root" else parent,
+                                 np.frombuffer(tok, dtype="<i4"), -1, 0, 0.0, ""))
         return out
 
     def add_remove_listener(self, fn: Callable[[str], None]) -> None:

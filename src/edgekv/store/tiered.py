@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from ..errors import StoreError
 from ..fragment import KVFragment
-from .base import FragmentStore, StoreStats
+from .base import FragmentStore, Hit, StoreStats
 
 __all__ = ["TieredStore"]
 
@@ -20,18 +20,42 @@ class TieredStore(FragmentStore):
         if not tiers:
             raise ValueError("TieredStore needs at least one tier")
         self.tiers = tiers
-        self.last_tier: str | None = None  # which tier served the last hit (for reports)
+
+    def tier_list(self) -> tuple[FragmentStore, ...]:
+        return tuple(t for tier in self.tiers for t in tier.tier_list())
 
     def get(self, key: str, now: float | None = None) -> KVFragment | None:
-        for i, tier in enumerate(self.tiers):
-            frag = tier.get(key, now)
-            if frag is not None:
-                for upper in self.tiers[:i]:
-                    upper.put(key, frag)
-                self.last_tier = tier.name
-                return frag
-        self.last_tier = None
-        return None
+        hit = self.get_many([key], now)[0]
+        return None if hit is None else hit.fragment
+
+    def get_many(self, keys: Sequence[str], now: float | None = None, *,
+                 prefix: bool = False) -> list[Hit | None]:
+        """Each key from the fastest tier that holds it, promoted into the faster ones.
+        The upper tiers (RAM) are asked per key, the last (disk, Redis) once for all that
+        they lack; with `prefix`, it stops at its first miss, and so does the walk."""
+        *upper, last = self.tiers
+        where = [next((j for j, t in enumerate(upper) if t.contains(k)), None) for k in keys]
+        lower = [k for k, j in zip(keys, where) if j is None]
+        from_last = iter(last.get_many(lower, now, prefix=prefix) if lower else [])
+        out: list[Hit | None] = []
+        for key, j in zip(keys, where):
+            hit = None
+            if j is not None:
+                frag = upper[j].get(key, now)
+                hit = None if frag is None else Hit(frag, upper[j].name)
+                if hit is None:  # evicted or expired since: the last tier may hold it
+                    frag = last.get(key, now)
+                    hit, j = (None, None) if frag is None else (Hit(frag, last.name), None)
+            else:
+                hit = next(from_last)
+            if hit is not None:
+                for faster in upper[: len(upper) if j is None else j]:
+                    faster.put(key, hit.fragment)
+            elif prefix:
+                out += [None] * (len(keys) - len(out))
+                break
+            out.append(hit)
+        return out
 
     def add_remove_listener(self, fn: Callable[[str], None]) -> None:
         """Listen to every tier: the listener asks `contains`, which checks them all, so an
@@ -67,12 +91,19 @@ class TieredStore(FragmentStore):
         return None
 
     def put(self, key: str, fragment: KVFragment) -> None:
+        self.put_many([(key, fragment)])
+
+    def put_many(self, items: Sequence[tuple[str, KVFragment]]) -> None:
         for tier in self.tiers:
-            tier.put(key, fragment)
+            tier.put_many(items)
 
     def touch(self, key: str, hit_count: int, expires_at: float, now: float | None = None) -> None:
+        self.touch_many([(key, hit_count, expires_at)], now)
+
+    def touch_many(self, items: Sequence[tuple[str, int, float]],
+                   now: float | None = None) -> None:
         for tier in self.tiers:
-            tier.touch(key, hit_count, expires_at, now)
+            tier.touch_many(items, now)
 
     def contains(self, key: str) -> bool:
         return any(t.contains(key) for t in self.tiers)

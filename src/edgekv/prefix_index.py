@@ -1,0 +1,388 @@
+"""The prefix index: the one place that knows the shape of the cache's chains.
+
+A radix tree of chunks (SGLang's radix cache over vLLM-style chained keys): a node is one
+stored chunk (a full chunk, a trailing partial chunk, a request's answer), its parent the chunk
+before it, a root per tenant. It answers three questions no single tier can:
+
+- What follows a matched chain (`successor`): the radix step compares a request's tokens
+  with the children's, in memory, without asking a tier.
+- What to evict (`evict`): leaves only, least recently used first. A hit walks a chain from
+  its head, so a per-tier LRU sees the head as the oldest entry and evicts it first, which
+  orphans every chunk after it (bytes held that no lookup can reach). Evicting leaves keeps
+  a chunk that many chains share while any of its descendants is wanted.
+- What is in use (`pin`): a request's matched path is pinned until its answer is stored, so
+  an eviction for another request never removes the parent its new chunks hang off.
+
+Tiers (`FragmentStore.tier_list`, fastest first) stay byte stores: the index tracks which
+tier holds every fragment of a node (a bit per tier) from inserts, hits and the tiers' remove
+events, and, with `policy="leaf"`, is the tiers' evictor. A leaf evicted from RAM stays on
+disk; the disk tier evicts leaves too. A node that no tier holds any more (expired, damaged)
+takes its unreachable descendants with it. A tier that evicts by itself and is shared by
+other processes (Redis, `FragmentStore.self_evicting`) is only tracked: the index never
+removes anything from it, since another process may be about to write what a chain there
+lacks. The index is rebuilt from the tiers' own indexes
+on open (`FragmentStore.entries`), so it is as crash-safe as the disk tier; it is only a map:
+the tiers are the truth, and a chain a tier holds that the index does not know (another
+process's) is still found by the exact walk and adopted.
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+
+import numpy as np
+
+from .errors import StoreError
+from .fragment import common_prefix
+from .keys import next_key
+from .store.base import FragmentStore
+
+__all__ = ["Lease", "Node", "PrefixIndex", "Successor"]
+
+_NO_TOKENS = np.zeros(0, np.int32)
+POLICIES = ("leaf", "lru")
+
+
+@dataclass(slots=True, eq=False)
+class Node:
+    """One chunk of a chain (or a tenant's root: `root`, no tokens, always reachable)."""
+
+    key: str
+    parent: Node | None = None
+    start: int = -1  # position of its first token; -1: not known yet (a placeholder)
+    tokens: np.ndarray = field(default_factory=lambda: _NO_TOKENS)
+    names: tuple[str, ...] = ()  # its fragments' names in the tiers (whole, or layer groups)
+    nbytes: int = 0
+    held: int = 0  # bit i: tier i holds every fragment of it
+    last_access: float = 0.0
+    lock_ref: int = 0
+    root: bool = False
+    children: dict[str, Node] = field(default_factory=dict)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class Successor:
+    """The radix step's answer: the stored chunk `key` hangs off chunk `k0 - 1` of the
+    request's chain and matches its tokens up to position `end`."""
+
+    key: str
+    k0: int
+    end: int
+
+
+class Lease:
+    """Pins on the nodes of one request's path (`PrefixIndex.pin`). `release` unpins them
+    (once; later calls do nothing); a lease dropped unreleased (a request that raised) is
+    released when it is collected, so a pin never outlives its request."""
+
+    __slots__ = ("__weakref__", "_release")
+
+    def __init__(self, index: PrefixIndex, nodes: list[Node]) -> None:
+        self._release = weakref.finalize(self, index._unpin, nodes)
+
+    def release(self) -> None:
+        self._release()
+
+
+class PrefixIndex:
+    """The chains of `store` for one model (`fingerprint`). `layouts(chain_key)`: the ways a
+    chunk may be stored, each a tuple of names (whole, then the configured layer groups)."""
+
+    def __init__(self, store: FragmentStore, fingerprint: str,
+                 layouts: Callable[[str], Sequence[tuple[str, ...]]], *,
+                 policy: str = "leaf") -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"eviction policy {policy!r}: use 'leaf' (the prefix index, "
+                             "leaves first) or 'lru' (each tier's own LRU)")
+        self.fingerprint, self.layouts, self.policy = fingerprint, layouts, policy
+        self.tiers = store.tier_list()
+        self._tier_at = {t.name: i for i, t in reversed(list(enumerate(self.tiers)))}
+        self._nodes: dict[str, Node] = {}
+        self._by_name: dict[str, Node] = {}
+        self._lock = threading.RLock()
+        self._cascading = False
+        self.evictions = 0  # nodes evicted from a tier by `evict`
+        self.rebuild()
+        # tiers whose contents the index may remove (not a shared, self-evicting Redis)
+        self._owned = [not t.self_evicting for t in self.tiers]
+        for i, tier in enumerate(self.tiers):
+            tier.add_remove_listener(partial(self._on_remove, i))
+            if policy == "leaf" and self._owned[i]:
+                tier.evictor = partial(self._make_room, i)
+
+    # -- public API ----------------------------------------------------------------------
+
+    def rebuild(self) -> int:
+        """Forget everything and read the tiers' indexes (no fragment is read); return the
+        nodes known. Entries of other models, and names that are not their chunk's (passage
+        KV), are not chains and are skipped."""
+        with self._lock:
+            self._nodes.clear()
+            self._by_name.clear()
+            for i, tier in enumerate(self.tiers):
+                by_chain: dict[str, list[tuple[str, int]]] = {}
+                for e in tier.entries():
+                    if e.fingerprint not in ("", self.fingerprint):  # "": not recorded
+                        continue  # (the key check below still binds it to this model)
+                    chain: str = next_key(e.parent, self.fingerprint, e.tokens)
+                    if e.name != chain and not e.name.startswith(chain + "."):
+                        continue
+                    node = self._place(chain, e.parent, e.start, e.tokens)
+                    node.last_access = max(node.last_access, e.last_access)
+                    by_chain.setdefault(chain, []).append((e.name, e.nbytes))
+                for chain, held in by_chain.items():
+                    self._complete(self._nodes[chain], i, dict(held))
+            self._fill_starts()
+            return sum(1 for n in self._nodes.values() if not n.root)
+
+    def insert(self, key: str, parent: str, start: int, tokens: np.ndarray,
+               names: Sequence[str], nbytes: int, now: float) -> None:
+        """Record a chunk just stored under `names` (`Writeback`): which tiers took it. With
+        the leaf policy, one that hangs off a chain no lookup can reach is freed at once."""
+        with self._lock:
+            node = self._place(key, parent, start, np.asarray(tokens, np.int32))
+            node.names, node.nbytes, node.last_access = tuple(names), nbytes, now
+            self._by_name.update(dict.fromkeys(node.names, node))
+            for i, tier in enumerate(self.tiers):  # a tier that cannot answer now (a Redis
+                if all(tier.contains(n) for n in node.names):  # down) keeps what it had:
+                    self._set(node, i, True)  # removals come by its events
+            if self.policy == "leaf" and node.held and not self._reachable(node.parent):
+                self._free_subtree(node)
+            self._prune(node)
+
+    def saw(self, key: str, parent: str, start: int, tokens: np.ndarray,
+            names: Sequence[str], nbytes: int, tier: str, now: float) -> None:
+        """Record a hit on a chunk read from `tier` (and promoted into the faster tiers):
+        its last access, and the node itself if the index did not know it."""
+        with self._lock:
+            node = self._nodes.get(key)
+            if node is None or node.start < 0:
+                node = self._place(key, parent, start, np.asarray(tokens, np.int32))
+            if not node.names:
+                node.names, node.nbytes = tuple(names), nbytes
+                self._by_name.update(dict.fromkeys(node.names, node))
+            node.last_access = now
+            j = self._tier_at.get(tier, len(self.tiers) - 1)
+            for i in range(j + 1):
+                self._set(node, i, i == j or all(self.tiers[i].contains(n) for n in node.names))
+
+    def missed(self, key: str) -> None:
+        """A chunk the index thought held was not found (another process removed it, a
+        tier dropped it without telling): it is held nowhere now. Nothing is cascaded: a
+        tier that could not answer (a Redis node down) may hold it again later."""
+        with self._lock:
+            node = self._nodes.get(key)
+            if node is not None and not node.root:
+                node.held = 0
+                self._prune(node)
+
+    def successor(self, root: str, path: Sequence[str], ids: np.ndarray, limit: int,
+                  chunk_size: int, min_gain: int) -> Successor | None:
+        """The stored chunk after the first `len(path)` chunks of the chain (under `root`)
+        whose leading tokens match `ids` furthest, if it restores at least `min_gain` more
+        tokens (up to `limit`). Candidates are the children of the last two chunks: a tail
+        shorter than a fragment's minimum span is stored with the chunk before it."""
+        c, n = chunk_size, len(path)
+        best: Successor | None = None
+        with self._lock:
+            for k0 in range(max(0, n - 1), n + 1):
+                parent = self._nodes.get(path[k0 - 1] if k0 else root)
+                if parent is None:
+                    continue
+                for child in parent.children.values():
+                    if not child.held or child.start != k0 * c:
+                        continue
+                    end = k0 * c + common_prefix(child.tokens, ids[k0 * c : limit])
+                    gain = end - max(n * c, best.end if best else 0)
+                    if gain > 0 and gain >= min_gain:
+                        best = Successor(child.key, k0, end)
+        return best
+
+    def pin(self, keys: Iterable[str]) -> Lease:
+        """Pin the nodes of `keys` (a request's path) until `Lease.release`."""
+        with self._lock:
+            nodes = [n for n in (self._nodes.get(k) for k in keys) if n is not None]
+            for n in nodes:
+                n.lock_ref += 1
+        return Lease(self, nodes)
+
+    def evict(self, nbytes: int, tier: int = 0,
+              done: Callable[[], bool] | None = None) -> int:
+        """Free at least `nbytes` from tier `tier` (as far as unpinned leaves allow), least
+        recently used leaf first; return the bytes freed. A leaf here is a node with no child
+        held in this tier; one that no other tier holds must have no child held anywhere
+        (it would orphan it). `done()`: stop as soon as it says so (the tier's own count)."""
+        freed = 0
+        with self._lock:
+            heap = [(n.last_access, id(n), n) for n in self._nodes.values()
+                    if self._evictable(n, tier)]
+            heapq.heapify(heap)
+            while heap and freed < nbytes and not (done and freed and done()):
+                _, _, node = heapq.heappop(heap)
+                if not self._evictable(node, tier):
+                    continue
+                parent = node.parent
+                self._drop(node, tier)
+                freed += node.nbytes
+                self.evictions += 1
+                if parent is not None and self._evictable(parent, tier):
+                    heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        return freed
+
+    def _make_room(self, tier: int, nbytes: int) -> int:
+        """The tiers' evictor: leaves out until the tier is within its capacity by its own
+        count (a disk entry's bytes are its file's, more than the KV the index counts)."""
+        t = self.tiers[tier]
+        return self.evict(nbytes, tier, done=lambda: t.excess_bytes() <= 0) or 0
+
+    def orphan_bytes(self) -> int:
+        """Bytes the tiers hold (per tier) for nodes no lookup can reach: one of their
+        ancestors is held by no tier."""
+        with self._lock:
+            reach: set[int] = set()
+            stack = [n for n in self._nodes.values() if n.root]
+            while stack:
+                node = stack.pop()
+                reach.add(id(node))
+                stack.extend(c for c in node.children.values() if c.held)
+            return sum(n.nbytes * bin(n.held).count("1") for n in self._nodes.values()
+                       if n.held and id(n) not in reach)
+
+    def held_bytes(self, tier: int) -> int:
+        with self._lock:
+            return sum(n.nbytes for n in self._nodes.values() if n.held >> tier & 1)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(1 for n in self._nodes.values() if not n.root)
+
+    # -- private helpers -----------------------------------------------------------------
+
+    def _place(self, key: str, parent: str, start: int, tokens: np.ndarray) -> Node:
+        """The node of `key` under `parent`, made (or a placeholder filled in) as needed."""
+        node = self._nodes.get(key)
+        if node is None:
+            node = self._nodes[key] = Node(key)
+        up = self._nodes.get(parent)
+        if up is None:
+            up = self._nodes[parent] = Node(parent, root=start == 0 or parent == "")
+        elif start == 0 and up.start < 0 and not up.root and up.parent is None:
+            up.root = True  # a placeholder that turns out to be a tenant's root
+        if node.parent is not up:
+            if node.parent is not None:
+                node.parent.children.pop(key, None)
+            node.parent = up
+            up.children[key] = node
+        node.start, node.tokens, node.root = start, tokens, False
+        return node
+
+    def _fill_starts(self) -> None:
+        """Rows of an older disk index lack their start: place them after their parent."""
+        stack = [n for n in self._nodes.values() if n.root]
+        while stack:
+            node = stack.pop()
+            for child in node.children.values():
+                if child.start < 0 and (node.root or node.start >= 0):
+                    child.start = 0 if node.root else node.end
+                stack.append(child)
+
+    def _complete(self, node: Node, tier: int, held: dict[str, int]) -> None:
+        """Mark `node` held in `tier` if `held` (name -> bytes) covers one of its layouts."""
+        for names in self.layouts(node.key):
+            if all(n in held for n in names):
+                node.names, node.nbytes = names, sum(held[n] for n in names)
+                self._by_name.update(dict.fromkeys(names, node))
+                self._set(node, tier, True)
+                return
+
+    def _set(self, node: Node, tier: int, on: bool) -> None:
+        node.held = node.held | 1 << tier if on else node.held & ~(1 << tier)
+
+    def _reachable(self, node: Node | None) -> bool:
+        while node is not None and not node.root:
+            if not node.held:
+                return False
+            node = node.parent
+        return node is not None
+
+    def _evictable(self, node: Node, tier: int) -> bool:
+        bit = 1 << tier
+        if node.root or not node.held & bit or node.lock_ref or not self._owned[tier]:
+            return False
+        if any(c.held & bit for c in node.children.values()):
+            return False
+        return bool(node.held & ~bit) or not any(c.held for c in node.children.values())
+
+    def _drop(self, node: Node, tier: int) -> None:
+        """Delete `node`'s fragments from `tier` (its remove events find it already gone)."""
+        self._set(node, tier, False)
+        for name in node.names:
+            try:
+                self.tiers[tier].delete(name)
+            except StoreError:
+                pass  # counted and logged by the tier
+        self._prune(node)
+
+    def _prune(self, node: Node) -> None:
+        """Forget nodes that no tier holds and nothing hangs off, up the path (an empty
+        tenant root too)."""
+        while not node.root and not node.held and not node.children and not node.lock_ref:
+            self._nodes.pop(node.key, None)
+            for name in node.names:
+                if self._by_name.get(name) is node:
+                    del self._by_name[name]
+            up, node.parent = node.parent, None
+            if up is None:
+                return
+            up.children.pop(node.key, None)
+            node = up
+        if node.root and not node.children:
+            self._nodes.pop(node.key, None)
+
+    def _free_subtree(self, node: Node) -> None:
+        """Delete `node` and its descendants from every tier: no lookup can reach them."""
+        self._cascading = True
+        try:
+            stack, order = [node], []
+            while stack:
+                n = stack.pop()
+                order.append(n)
+                stack.extend(n.children.values())
+            for n in reversed(order):  # leaves first
+                for i in range(len(self.tiers)):
+                    if n.held >> i & 1 and self._owned[i]:
+                        self._drop(n, i)
+        finally:
+            self._cascading = False
+
+    def _on_remove(self, tier: int, name: str) -> None:
+        """A tier dropped `name` (eviction, expiry, damage, delete, clear)."""
+        with self._lock:
+            node = self._by_name.get(name)
+            if node is None or not node.held >> tier & 1:
+                return
+            t = self.tiers[tier]
+            whole = (node.key,)
+            if name != node.key and whole != node.names and t.contains(node.key):
+                node.names = whole  # compacted: the whole-layer fragment replaced the groups
+                self._by_name[node.key] = node
+                return
+            self._set(node, tier, False)
+            if not node.held and self.policy == "leaf" and not self._cascading:
+                self._free_subtree(node)
+            self._prune(node)
+
+    def _unpin(self, nodes: list[Node]) -> None:
+        with self._lock:
+            for n in nodes:
+                n.lock_ref -= 1
+                self._prune(n)

@@ -1,0 +1,175 @@
+"""The prefix index: leaf-first eviction (no orphaned bytes, a shared prefix outlives its
+branches), pins for requests in flight, eviction across RAM and disk, the rebuild on open."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from edgekv import CacheConfig, ConfigError, EdgeKV
+from edgekv.engines.fake import FakeAdapter
+from edgekv.fragment import KVFragment
+from edgekv.keys import next_key
+from edgekv.prefix_index import PrefixIndex
+from edgekv.store import DiskStore, MemoryStore, TieredStore, open_store
+
+FP = "fp"
+
+
+def chunk(parent: str, start: int, seed: int, span: int = 64) -> tuple[str, KVFragment]:
+    ids = np.random.default_rng(seed).integers(0, 1000, span, dtype=np.int32)
+    key = next_key(parent, FP, ids)
+    kv = np.zeros((1, span, 4), np.float16)
+    return key, KVFragment(model_fingerprint=FP, chain_key=key, parent_key=parent,
+                           token_start=start, token_end=start + span, layer_start=0,
+                           layer_end=1, layer_stride=1, n_layer_model=1, token_ids=ids,
+                           keys=kv, values=kv)
+
+
+def put(store, index: PrefixIndex, key: str, frag: KVFragment, now: float) -> None:
+    store.put(key, frag)
+    index.insert(key, frag.parent_key, frag.token_start, frag.token_ids, [key], frag.nbytes, now)
+
+
+def whole(key: str) -> list[tuple[str, ...]]:
+    return [(key,)]
+
+
+def tree(store):
+    """A document chunk D with two branches A1 -> A2 and B1."""
+    index = PrefixIndex(store, FP, whole)
+    d = chunk("", 0, 1)
+    a1 = chunk(d[0], 64, 2)
+    a2 = chunk(a1[0], 128, 3)
+    b1 = chunk(d[0], 64, 4)
+    for t, (k, f) in enumerate((d, a1, a2, b1)):
+        put(store, index, k, f, now=float(t))
+    return index, d[0], a1[0], a2[0], b1[0], d[1].nbytes
+
+
+def test_a_shared_prefix_outlives_the_branches_that_use_it():
+    store = MemoryStore(10**9)
+    index, d, a1, a2, b1, size = tree(store)
+    assert index.evict(1) == size and not store.contains(a2)  # the oldest leaf
+    assert index.evict(1) == size and not store.contains(a1)  # then its parent, now a leaf
+    assert store.contains(d) and store.contains(b1)
+    assert index.evict(1) == size and not store.contains(b1)
+    assert index.evict(1) == size and not store.contains(d)  # last: nothing hangs off it
+    assert index.orphan_bytes() == 0 and len(index) == 0
+
+
+def test_a_pinned_path_is_not_evicted_until_released():
+    store = MemoryStore(10**9)
+    index, d, a1, a2, b1, size = tree(store)
+    lease = index.pin([d, a1, a2])
+    assert index.evict(10**9) == size and store.keys() == [d, a1, a2]  # only B1 could go
+    lease.release()
+    lease.release()  # once
+    assert index.evict(10**9) == 3 * size and store.keys() == []
+
+
+def test_an_unreleased_lease_is_released_when_dropped():
+    store = MemoryStore(10**9)
+    index, d, a1, a2, b1, size = tree(store)
+    index.pin([d, a1, a2])  # a request that raised: nobody releases it
+    import gc
+
+    gc.collect()
+    assert index.evict(10**9) == 4 * size
+
+
+def test_a_chunk_no_tier_holds_takes_its_unreachable_descendants():
+    store = MemoryStore(10**9)
+    index, d, a1, a2, b1, size = tree(store)
+    store.delete(a1)  # e.g. expired or damaged
+    assert not store.contains(a2) and store.contains(b1) and index.orphan_bytes() == 0
+    lru = PrefixIndex(store, FP, whole, policy="lru")
+    k, f = chunk(b1, 128, 5)
+    put(store, lru, k, f, now=9.0)
+    store.delete(b1)  # per-tier LRU: nobody frees what now hangs off nothing
+    assert store.contains(k) and lru.orphan_bytes() == f.nbytes
+
+
+def test_the_memory_tier_asks_the_index_for_room():
+    one = chunk("", 0, 1)[1].nbytes
+    store = MemoryStore(3 * one)
+    index, d, a1, a2, b1, size = tree(store)  # 4 chunks into room for 3
+    assert store.keys() == [d, a1, b1] or sorted(store.keys()) == sorted([d, a1, b1])
+    assert index.orphan_bytes() == 0 and store.stats().bytes <= store.capacity_bytes
+
+
+def test_the_disk_tier_evicts_leaves_too(tmp_path):
+    one = len(__import__("edgekv.serial", fromlist=["x"]).encode_fragment(chunk("", 0, 1)[1]))
+    disk = DiskStore(tmp_path, int(3.5 * one))  # blobs differ by a few bytes: room for 3
+    index, d, a1, a2, b1, size = tree(disk)
+    assert set(disk.keys()) == {d, a1, b1}  # A2, the oldest leaf, went; D, the oldest, stays
+    assert index.orphan_bytes() == 0
+
+
+def _chat(kv: EdgeKV, rounds: int, seed: int = 0) -> tuple[int, int]:
+    """Growing chats over two shared documents, Zipf-picked; (tokens reused, orphans max)."""
+    rng = random.Random(seed)
+    docs = [[rng.randrange(1, 250) for _ in range(192)] for _ in range(2)]
+    chats: list[list[int]] = [list(docs[i % 2]) for i in range(6)]
+    reused = orphans = 0
+    for _ in range(rounds):
+        i = rng.choices(range(6), [1 / (j + 1) for j in range(6)])[0]
+        chats[i] += [rng.randrange(1, 250) for _ in range(40)]
+        r = kv.generate(chats[i], max_tokens=4)
+        chats[i] += list(r.tokens)
+        reused += r.cached_tokens
+        orphans = max(orphans, kv.index.orphan_bytes())
+    return reused, orphans
+
+
+@pytest.mark.parametrize("policy", ["lru", "leaf"])
+def test_memory_pressure_orphans_only_under_per_tier_lru(tmp_path, policy):
+    cfg = CacheConfig(chunk_size=64, cache_dir=tmp_path, eviction=policy)
+    unbounded = EdgeKV(FakeAdapter(), MemoryStore(1 << 40), cfg)
+    ceiling, _ = _chat(unbounded, 40)
+    total = unbounded.store.stats().bytes
+    kv = EdgeKV(FakeAdapter(), MemoryStore(total // 3), cfg)
+    reused, orphans = _chat(kv, 40)
+    if policy == "leaf":
+        assert orphans == 0
+        assert reused >= 0.9 * ceiling, (reused, ceiling)
+    else:  # a hit touches the head before the tail: the LRU takes heads first
+        assert orphans > 0
+
+
+def test_a_leaf_evicted_from_ram_stays_on_disk(tmp_path):
+    cfg = CacheConfig(chunk_size=64, cache_dir=tmp_path)
+    probe = EdgeKV(FakeAdapter(), MemoryStore(1 << 40), cfg)
+    prompt = list(range(1, 200)) * 2
+    probe.generate(prompt, max_tokens=2)
+    ram = MemoryStore(probe.store.stats().bytes // 3)
+    kv = EdgeKV(FakeAdapter(), TieredStore(ram, DiskStore(tmp_path / "disk", 1 << 30)), cfg)
+    kv.generate(prompt, max_tokens=2)
+    other = [7] * 300  # fills RAM: the first chain's leaves leave RAM, not disk
+    kv.generate(other, max_tokens=2)
+    again = kv.generate(prompt, max_tokens=2)
+    assert again.cached_tokens == len(prompt) - 1
+    assert "disk" in again.source_tiers and kv.index.orphan_bytes() == 0
+    assert ram.stats().bytes <= ram.capacity_bytes
+
+
+def test_the_index_is_rebuilt_from_disk_on_open(tmp_path):
+    cfg = CacheConfig(chunk_size=64, cache_dir=tmp_path)
+    kv = EdgeKV(FakeAdapter(), open_store(cfg), cfg)
+    doc = list(range(3, 203))
+    kv.generate(doc, max_tokens=3)
+    n = len(kv.index)
+    kv.close()
+    fresh = EdgeKV(FakeAdapter(), open_store(cfg), cfg)  # a new process
+    assert len(fresh.index) == n > 3
+    # reuse ends inside a stored chunk: the radix step found it in the rebuilt index
+    r = fresh.generate(doc[:150] + [9, 9, 9], max_tokens=1)
+    assert r.cached_tokens == 150 and fresh.token_exact
+
+
+def test_eviction_is_a_config_choice():
+    assert CacheConfig().eviction == "leaf"
+    with pytest.raises(ConfigError, match="leaf"):
+        CacheConfig(eviction="fifo")

@@ -1,0 +1,64 @@
+"""The Redis tier answers a chain walk in one round trip (one pipeline per server), on a real
+redis-server and a real three-node cluster: counted where the client writes to its sockets."""
+
+from __future__ import annotations
+
+import pytest
+from redis.connection import AbstractConnection
+
+from edgekv import CacheConfig, EdgeKV
+from edgekv.engines.fake import FakeAdapter
+from edgekv.store.redis import RedisStore
+
+from .. import redis_kit
+
+
+@pytest.fixture
+def sends(monkeypatch):
+    """Every request the client writes to a Redis socket (a command, or a whole pipeline)."""
+    seen: list[str] = []
+    real = AbstractConnection.send_packed_command
+
+    def send(self, command, check_health=True):
+        seen.append(f"{self.host}:{self.port}")
+        return real(self, command, check_health)
+
+    monkeypatch.setattr(AbstractConnection, "send_packed_command", send)
+    return seen
+
+
+def _hit(url: str, tmp_path, sends) -> tuple[RedisStore, EdgeKV, list[str], int]:
+    tokens = [(7 * i) % 250 + 1 for i in range(1025)]  # 1,024 tokens to reuse
+    cfg = CacheConfig(chunk_size=128, cache_dir=tmp_path)
+    store = RedisStore(url)
+    store.clear()
+    EdgeKV(FakeAdapter(), store, cfg).generate(tokens, max_tokens=1)
+    kv = EdgeKV(FakeAdapter(), store, cfg)  # a fresh process: its index from Redis' lists
+    kv.lookup(tokens).release()  # the connection pool warms up
+    sends.clear()
+    before = store.round_trips
+    match = kv.lookup(tokens)
+    match.release()
+    assert match.n_tokens == 1024 and len(match.chunks) == 8
+    return store, kv, list(sends), store.round_trips - before
+
+
+def test_a_1024_token_hit_is_one_round_trip(tmp_path, sends):
+    redis_kit.need_redis()
+    with redis_kit.server(tmp_path / "r") as srv:
+        store, kv, sent, trips = _hit(srv.url, tmp_path, sends)
+        assert trips == 1 and len(sent) == 1, sent
+        store.clear()
+        store.close()
+
+
+def test_a_cluster_hit_is_one_pipeline_per_node(tmp_path, sends):
+    redis_kit.need_redis()
+    with redis_kit.cluster(tmp_path / "c") as c:
+        store, kv, sent, trips = _hit(c.url, tmp_path, sends)
+        nodes = {store.server_of(ch.chain_key) for ch in kv.lookup(
+            [(7 * i) % 250 + 1 for i in range(1025)]).chunks}
+        assert len(nodes) > 1  # the chain's chunks live on several nodes
+        assert trips == len(nodes) and sorted(sent) == sorted(nodes), (sent, nodes)
+        store.clear()
+        store.close()
