@@ -61,13 +61,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise EdgeKVError("--passage-reuse does not combine with --chat yet")
     kv = _open(args)
     try:
-        if args.chat:
-            from .chat import render_chat
+        asked: str | list[int] = prompt
+        if args.chat:  # the messages' text stays text: chat.py
+            from .chat import chat_tokens
 
             msgs = ([{"role": "system", "content": args.system}] if args.system else [])
-            prompt = render_chat(kv.adapter.chat_template(),
-                                 msgs + [{"role": "user", "content": prompt}])
-        r = kv.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+            asked = chat_tokens(kv.adapter, msgs + [{"role": "user", "content": prompt}])
+        r = kv.generate(asked, max_tokens=args.max_tokens, temperature=args.temperature,
                         seed=args.seed, use_cache=not args.no_cache, passages=passages)
     finally:
         kv.close()
@@ -297,15 +297,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """The OpenAI-compatible server: bind, then load the model in the background, then serve."""
     try:
         from .serve import ServeOptions, load_edgekv, run
+        from .serve.guard import api_keys
     except ImportError as e:
         raise EdgeKVError(f"`edgekv serve` needs the serve extra ({e}); run "
                           "`pip install -e '.[serve]'`") from None
     from .engines.models import resolve_model
 
+    opts = ServeOptions(api_keys=api_keys(args.api_key or (), args.api_key_file or ()),
+                        max_queue=args.max_queue, use_cache=not args.no_cache)  # keys first
     model = resolve_model(args.model)  # a bad --model fails now, not after the socket is up
     cfg = _config(args)
-    opts = ServeOptions(api_keys=tuple(args.api_key or ()), max_queue=args.max_queue,
-                        use_cache=not args.no_cache)
 
     def announce(url: str) -> None:
         print(f"edgekv serve: listening on {url} (OpenAI API under {url}/v1; model "
@@ -465,9 +466,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "/metrics) over the cache")
     sv.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     sv.add_argument("--port", type=int, default=8080, help="0 picks a free port")
+    sv.add_argument("--api-key-file", action="append", metavar="PATH",
+                    help="require `Authorization: Bearer KEY` with a key of this file (one "
+                    "per line, `#` comments); each key is a tenant whose cached prefixes are "
+                    "its own. Also: EDGEKV_API_KEYS=KEY1,KEY2 in the environment")
     sv.add_argument("--api-key", action="append", metavar="KEY",
-                    help="require `Authorization: Bearer KEY`; repeat for several tenants "
-                    "(each key's cached prefixes are its own)")
+                    help="a key on the command line (repeatable); other users of the machine "
+                    "can read it in the process list, prefer --api-key-file")
     sv.add_argument("--store", help="fragment store behind RAM: PATH, file://PATH or "
                     "redis://HOST:PORT/DB (default: the disk store in the cache directory)")
     sv.add_argument("--engine", choices=["llamacpp", "torch", "onnx"], default="llamacpp")

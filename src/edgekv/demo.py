@@ -6,7 +6,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from .chat import render_chat
+from .chat import ChatTokenizer
 from .config import CacheConfig, default_cache_dir
 from .markdown import table
 from .texts import MANUAL, QUESTIONS, SYSTEM_PROMPT
@@ -23,15 +23,15 @@ def run_demo(*, model: str | None = None, n_ctx: int = 2048, cache_dir: str | No
     shutil.rmtree(demo_dir, ignore_errors=True)
     kv = open_llamacpp(model, CacheConfig(cache_dir=demo_dir), n_ctx=n_ctx)
     try:
-        template = kv.adapter.chat_template()
+        chat = ChatTokenizer(kv.adapter)
         system = SYSTEM_PROMPT + "\n\n" + MANUAL
 
-        def prompt(q: str) -> str:
-            return render_chat(template, [{"role": "system", "content": system},
-                                          {"role": "user", "content": q}])
+        def prompt(q: str) -> list[int]:
+            return chat.tokens([{"role": "system", "content": system},
+                                {"role": "user", "content": q}])
 
         print(f"model: {kv.adapter.model_path.name}; context: the assistant's system prompt + "  # type: ignore[attr-defined]
-              f"a {len(kv.adapter.tokenize(prompt('')))}-token manual\n", flush=True)
+              f"a {len(prompt(''))}-token manual\n", flush=True)
         first = kv.generate(prompt(QUESTIONS[0]), max_tokens=max_tokens)
         print(f"first request (cache empty): TTFT {first.ttft_s * 1000:.0f} ms, stored "
               f"{first.stored_fragments} fragments ({first.computed_tokens} tokens computed)\n")

@@ -158,8 +158,11 @@ def test_unknown_workload_name_is_a_clear_cli_error(tmp_path: Path, capsys) -> N
 class _WordTokenizer:
     """Stands in for the adapter where only prompt length matters: one token per word."""
 
-    def tokenize(self, text: str) -> list[int]:
+    def tokenize(self, text: str, *, add_bos: bool = True, special: bool = True) -> list[int]:
         return list(range(len(text.split())))
+
+    def control_tokens(self) -> dict[str, int]:
+        return {}
 
 
 _TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"

@@ -1,9 +1,11 @@
-"""Helpers for the server tests: a fake engine with a chat template and a gate, an in-process
-uvicorn server on a free port, and readers for SSE streams and Prometheus text."""
+"""Helpers for the server tests: a fake engine with a chat template and a gate (and one with
+control tokens, as a real tokenizer has), an in-process uvicorn server on a free port, and
+readers for SSE streams and Prometheus text."""
 
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -46,6 +48,28 @@ class ChatFake(FakeAdapter):
         return super().prefill(tokens, align=align)
 
 
+class ControlFake(ChatFake):
+    """ChatFake whose tokenizer knows ChatML's control tokens, as a real one does: with
+    `special=True` their text becomes their id, with `special=False` it stays bytes."""
+
+    CONTROLS = {"<|im_start|>": 300, "<|im_end|>": 301, "<|endoftext|>": 302}
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(vocab=512, **kw)
+
+    def tokenize(self, text: str, *, add_bos: bool = True, special: bool = True) -> list[int]:
+        ids = [1] if add_bos else []
+        if not special:
+            return ids + super().tokenize(text, add_bos=False)
+        for piece in re.split("(" + "|".join(map(re.escape, self.CONTROLS)) + ")", text):
+            ids += ([self.CONTROLS[piece]] if piece in self.CONTROLS
+                    else super().tokenize(piece, add_bos=False))
+        return ids
+
+    def control_tokens(self) -> dict[str, int]:
+        return dict(self.CONTROLS)
+
+
 @contextmanager
 def live_server(kv: EdgeKV | Any, *, model_id: str | None = "fake-model",
                 **options: Any) -> Iterator[str]:
@@ -79,9 +103,12 @@ def sse_chunks(body: str) -> list[dict[str, Any]]:
     return [json.loads(f[len("data: "):]) for f in frames[:-1]]
 
 
-def metric(url: str, name: str, **labels: str) -> float:
-    """A sample's value from GET /metrics (0 if absent)."""
-    text = httpx.get(f"{url}/metrics").text
+def metric(url: str, name: str, key: str | None = None, **labels: str) -> float:
+    """A sample's value from GET /metrics (0 if absent); `key`: the API key to send."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    r = httpx.get(f"{url}/metrics", headers=headers)
+    assert r.status_code == 200, r.text
+    text = r.text
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):

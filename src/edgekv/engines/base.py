@@ -15,7 +15,7 @@ the same numbers as a cold run instead of "close enough".
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -115,7 +115,16 @@ class KVAdapter(Protocol):
         """The model's chat template (Jinja, from the GGUF), None if it has none."""
         ...
 
-    def tokenize(self, text: str, *, add_bos: bool = True) -> list[int]: ...
+    def tokenize(self, text: str, *, add_bos: bool = True, special: bool = True) -> list[int]:
+        """`text`'s token ids. `special=True` turns the text of a control token
+        (`<|im_start|>`) into that token, as a raw prompt wants; `special=False` keeps all of
+        it text, as a chat message's contents must stay (`chat.ChatTokenizer`)."""
+        ...
+
+    def control_tokens(self) -> Mapping[str, int]:
+        """The texts that `tokenize(special=True)` turns into control tokens (and only it),
+        with their ids: what a chat template's markers may be, and message text never."""
+        ...
 
     def detokenize(self, tokens: Sequence[int]) -> str: ...
 

@@ -61,9 +61,12 @@ class FakeAdapter(SequenceAdapter):
     def chat_template(self) -> str | None:
         return None  # the fake model has no chat format
 
-    def tokenize(self, text: str, *, add_bos: bool = True) -> list[int]:
+    def tokenize(self, text: str, *, add_bos: bool = True, special: bool = True) -> list[int]:
         ids = [1 + (b % (self.vocab - 1)) for b in text.encode("utf-8")]
         return ([1] if add_bos else []) + ids
+
+    def control_tokens(self) -> dict[str, int]:
+        return {}  # byte-level: no text is ever a control token
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         return "".join(chr(32 + (t % 95)) for t in tokens)

@@ -89,6 +89,7 @@ class LlamaCppAdapter:
             raise EngineError(f"llama.cpp could not load {self.model_path}: {e}") from e
         self._ctx = self._llm.ctx  # the llama_context the C bindings take
         self._n_vocab = self._llm.n_vocab()
+        self._controls: dict[str, int] | None = None  # control_tokens(), read once
         try:
             self.fingerprint = self._make_fingerprint(memo_dir)
             self.window = window_layout(self._llm.metadata, self.fingerprint.n_layer)
@@ -181,8 +182,25 @@ class LlamaCppAdapter:
             return str(tpl)
         return _FAMILY_TEMPLATES.get(self.fingerprint.architecture)
 
-    def tokenize(self, text: str, *, add_bos: bool = True) -> list[int]:
-        return list(self._llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=True))
+    def tokenize(self, text: str, *, add_bos: bool = True, special: bool = True) -> list[int]:
+        return list(self._llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=special))
+
+    def control_tokens(self) -> dict[str, int]:
+        """Tokens llama.cpp parses from text only with `special=True`: CONTROL and UNKNOWN
+        attributes (`llama_vocab::tokenizer_st_partition`; USER_DEFINED ones are parsed either
+        way). Read from the vocabulary once."""
+        if self._controls is None:
+            lib = self._lib
+            vocab = lib.llama_model_get_vocab(self._llm.model)
+            wanted = lib.LLAMA_TOKEN_ATTR_CONTROL | lib.LLAMA_TOKEN_ATTR_UNKNOWN
+            found: dict[str, int] = {}
+            for i in range(self._n_vocab):
+                if lib.llama_vocab_get_attr(vocab, i) & wanted:
+                    text = lib.llama_vocab_get_text(vocab, i)
+                    if text:
+                        found.setdefault(bytes(text).decode("utf-8", "replace"), i)
+            self._controls = found
+        return self._controls
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         return bytes(self._llm.detokenize(list(tokens))).decode("utf-8", errors="replace")

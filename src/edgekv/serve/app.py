@@ -4,6 +4,8 @@
 function that builds it; the function runs on the worker thread after the socket is up, so
 `GET /health` answers 503 while the model loads and 200 once it can serve. Requests are checked
 (key, size, fields, model, context) before they are queued; what is left is the worker's.
+With API keys, every route but `/health` needs one, `/metrics` too: its prefix-cache counters
+move when other tenants' requests hit, a timing channel that `cache_salt` exists to close.
 """
 
 from __future__ import annotations
@@ -35,13 +37,13 @@ from .guard import Tenant, authenticate, read_body, wait_disconnect
 from .metrics import CONTENT_TYPE, CountResponses, ServeMetrics
 from .responses import DONE, CompletionShape, EventStream, sse
 from .scheduler import Job, Scheduler
-from .schemas import ChatRequest, CompletionRequest, parse_request, render_messages
+from .schemas import ChatRequest, CompletionRequest, chat_messages, parse_request
 
 __all__ = ["ServeOptions", "create_app"]
 
 @dataclass(frozen=True, slots=True)
 class ServeOptions:
-    api_keys: tuple[str, ...] = ()  # empty: no authentication (loopback use)
+    api_keys: tuple[str, ...] = ()  # empty: no authentication (loopback use); guard.api_keys
     max_queue: int = 16  # waiting requests per tenant before 429
     max_waiting: int | None = None  # waiting requests in all (default 4 x max_queue)
     max_body_bytes: int = 1 << 20  # a 2k-token context is ~10 KB of text; 1 MiB is generous
@@ -140,8 +142,10 @@ class _Server:
         limit = req.limit()
         served.check_limit(limit, "max_completion_tokens" if req.max_completion_tokens
                            is not None else "max_tokens")
-        prompt = render_messages(served.chat_template, req.messages)
-        return await self._run(request, served, req, prompt, limit, tenant, chat=True)
+        served.check_chat()
+        msgs = chat_messages(req.messages)
+        return await self._run(request, served, req, lambda: served.prepare_chat(msgs, limit),
+                               tenant, chat=True)
 
     async def completions(self, request: Request) -> Response:
         tenant = authenticate(request, self.options.api_keys)
@@ -151,7 +155,9 @@ class _Server:
         served.check_limit(req.max_tokens, "max_tokens")
         one = req.single_prompt()
         prompt = one if isinstance(one, str) else tuple(one)
-        return await self._run(request, served, req, prompt, req.max_tokens, tenant, chat=False)
+        return await self._run(request, served, req,
+                               lambda: served.prepare(prompt, req.max_tokens, "prompt"),
+                               tenant, chat=False)
 
     async def models(self, request: Request) -> JSONResponse:
         authenticate(request, self.options.api_keys)
@@ -171,6 +177,7 @@ class _Server:
         return JSONResponse(body, status_code=503)
 
     async def metrics_text(self, request: Request) -> Response:
+        authenticate(request, self.options.api_keys)  # with keys, a key (see the module doc)
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
     # -- private helpers -------------------------------------------------------------------
@@ -197,19 +204,21 @@ class _Server:
         return self.served
 
     async def _run(self, request: Request, served: ServedModel,
-                   req: ChatRequest | CompletionRequest, prompt: str | tuple[int, ...],
-                   limit: int | None, tenant: Tenant, *, chat: bool) -> Response:
-        tokens, max_tokens = await asyncio.to_thread(served.prepare, prompt, limit,
-                                                     "messages" if chat else "prompt")
+                   req: ChatRequest | CompletionRequest,
+                   prepare: Callable[[], tuple[tuple[int, ...], int]], tenant: Tenant, *,
+                   chat: bool) -> Response:
+        """`prepare` (tokens and max_tokens, or a 400) runs beside the worker, then the job
+        is queued."""
+        tokens, max_tokens = await asyncio.to_thread(prepare)
         seed = secrets.randbits(32) if req.seed is None else req.seed % 2**63
         gen = GenRequest(tokens=tokens, max_tokens=max_tokens, temperature=req.temperature,
                          top_p=req.top_p, seed=seed, stop=req.stops(),
                          salt=tenant.salt(req.cache_salt))
+        shape = CompletionShape(chat, self.model_id, "fp_" + served.kv.fingerprint[:12])
         job = Job(tenant.queue(req.cache_salt), lambda j: served.run(gen, j, self.metrics),
-                  asyncio.get_running_loop())
+                  asyncio.get_running_loop(), request_id=shape.id)
         self.scheduler.submit(job)
         gone = asyncio.ensure_future(wait_disconnect(request.receive))
-        shape = CompletionShape(chat, self.model_id, "fp_" + served.kv.fingerprint[:12])
         handed_over = False
         try:
             event = await job.next_event(gone)

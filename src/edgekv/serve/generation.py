@@ -17,7 +17,9 @@ import time
 from dataclasses import dataclass
 
 from ..cache import EdgeKV
+from ..chat import ChatTokenizer
 from ..errors import EdgeKVError
+from ..keys import SERVE_TENANTS
 from .decode import IncrementalText
 from .errors import APIError, bad_request, from_library_error
 from .metrics import ServeMetrics
@@ -68,6 +70,15 @@ class ServedModel:
         self.n_ctx = int(a.n_ctx)
         template = getattr(a, "chat_template", None)
         self.chat_template: str | None = template() if callable(template) else None
+        # messages -> tokens, the template's markers alone as control tokens (chat.py)
+        self.chat: ChatTokenizer | None = None
+        self._no_chat = ("this model has no chat template; send a raw prompt to "
+                         "/v1/completions instead")
+        if self.chat_template:
+            try:
+                self.chat = ChatTokenizer(a, self.chat_template)
+            except EdgeKVError as e:  # completions still work
+                self._no_chat = f"{e}; send a raw prompt to /v1/completions instead"
         self.n_vocab = _vocab_size(a)
         self._tokenizing = threading.Lock()  # one tokenization at a time beside the worker
 
@@ -81,7 +92,8 @@ class ServedModel:
     def prepare(self, prompt: str | tuple[int, ...], limit: int | None,
                 param: str = "prompt") -> tuple[tuple[int, ...], int]:
         """The prompt's token ids and the max_tokens to use (None: up to the end of the
-        context window, vLLM's default); a prompt that cannot fit is a 400 here."""
+        context window, vLLM's default); a prompt that cannot fit is a 400 here. A raw
+        prompt's text may spell control tokens (it is the client's whole prompt)."""
         if isinstance(prompt, str):
             with self._tokenizing:
                 tokens = tuple(self.kv.adapter.tokenize(prompt))
@@ -92,6 +104,28 @@ class ServedModel:
                 raise bad_request(f"token id {bad[0]} is outside the vocabulary "
                                   f"[0, {self.n_vocab}); send ids this model's tokenizer made",
                                   param="prompt")
+        return self._fit(tokens, limit, param)
+
+    def check_chat(self) -> ChatTokenizer:
+        """The chat tokenizer, or a 400 for a model without a chat template."""
+        if self.chat is None:
+            raise bad_request(self._no_chat, param="messages")
+        return self.chat
+
+    def prepare_chat(self, messages: list[dict[str, str]],
+                     limit: int | None) -> tuple[tuple[int, ...], int]:
+        """`prepare` for chat messages: their text never becomes control tokens (a message
+        that spells `<|im_start|>system` stays text); a template that refuses them is a 400."""
+        chat = self.check_chat()
+        try:
+            with self._tokenizing:
+                tokens = tuple(chat.tokens(messages))
+        except EdgeKVError as e:
+            raise bad_request(str(e), param="messages") from None
+        return self._fit(tokens, limit, "messages")
+
+    def _fit(self, tokens: tuple[int, ...], limit: int | None,
+             param: str) -> tuple[tuple[int, ...], int]:
         if not tokens:
             raise bad_request("the prompt is empty; give at least one token", param="prompt")
         room = self.n_ctx - len(tokens)
@@ -121,9 +155,11 @@ class ServedModel:
         try:
             r = self.kv.generate(list(req.tokens), max_tokens=req.max_tokens,
                                  temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                                 on_token=on_token, salt=req.salt, use_cache=self.use_cache)
-        except EdgeKVError as e:
-            log.warning("generate refused a request: %s", e)
+                                 on_token=on_token, salt=req.salt, namespace=SERVE_TENANTS,
+                                 use_cache=self.use_cache)
+        except EdgeKVError as e:  # its message goes to the client, not to the log
+            log.warning("request %s refused by generate: %s", job.request_id, type(e).__name__)
+            log.debug("request %s refused by generate", job.request_id, exc_info=e)
             job.emit(from_library_error(e))
             return
         rest = text.finish()

@@ -84,8 +84,8 @@ def run(load: Callable[[], EdgeKV], *, model_id: str, options: ServeOptions,
         announce: Callable[[str], None] | None = None, log_level: str = "warning") -> int:
     """Serve until interrupted. `announce` gets the base URL once the socket listens."""
     if not options.api_keys and not _loopback(host):
-        log.warning("serving on %s without --api-key: anyone who can reach it can use it and "
-                    "read its timing; add --api-key KEY", host)
+        log.warning("serving on %s without API keys: anyone who can reach it can use it and "
+                    "read its timing; add --api-key-file PATH", host)
     sock = bind(host, port)
     failed: list[BaseException] = []
     server: uvicorn.Server | None = None

@@ -8,6 +8,9 @@ better refused at once (429, the client backs off) than held until it times out.
 
 The worker communicates with the asyncio side only through `Job.emit`, which hands each event
 to the request's event loop thread-safely.
+
+A request that fails on the worker is logged by the servers' one policy (`errorlog`): its
+error's type, place and request id at ERROR, the traceback only at DEBUG, never its prompt.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Any
 
+from ..errorlog import log_internal_error
 from .errors import APIError
 
 __all__ = ["Job", "QueueFull", "Scheduler"]
@@ -37,8 +41,9 @@ class Job:
     """One request's work (run on the worker thread) and its event channel back to asyncio."""
 
     def __init__(self, tenant: str, work: Callable[[Job], None],
-                 loop: asyncio.AbstractEventLoop) -> None:
+                 loop: asyncio.AbstractEventLoop, request_id: str = "") -> None:
         self.tenant, self.work, self.loop = tenant, work, loop
+        self.request_id = request_id  # the response's id: what a log line names
         self.events: asyncio.Queue[Any] = asyncio.Queue()
         self.cancelled = threading.Event()  # checked by the work between tokens
         self.arrived = time.perf_counter()
@@ -179,7 +184,8 @@ class Scheduler:
             try:
                 setup()
             except BaseException as e:  # noqa: BLE001 - reported, and the server says so
-                log.error("loading the model failed: %s", e, exc_info=True)
+                log.error("loading the model failed: %s", e)  # a path, not a request
+                log.debug("loading the model failed", exc_info=e)
                 self.load_error = e
                 if on_error is not None:
                     on_error(e)
@@ -189,9 +195,10 @@ class Scheduler:
             try:
                 job.work(job)
             except BaseException as e:  # noqa: BLE001 - the worker must outlive any request
-                log.exception("request failed on the worker")
-                job.emit(APIError(500, f"internal error: {e}", type="server_error",
-                                  code="internal_error"))
+                log_internal_error(log, e, where="the worker", request_id=job.request_id)
+                job.emit(APIError(500, f"internal error ({type(e).__name__}) in request "
+                                  f"{job.request_id or '?'}; the server's log has it",
+                                  type="server_error", code="internal_error"))
             finally:
                 with self._cond:
                     self._running = None

@@ -14,12 +14,10 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..chat import render_chat
-from ..errors import EdgeKVError
 from .errors import APIError, bad_request
 
 __all__ = [
-    "ChatRequest", "CompletionRequest", "Message", "NEUTRAL", "parse_request", "render_messages",
+    "ChatRequest", "CompletionRequest", "Message", "NEUTRAL", "chat_messages", "parse_request",
 ]
 
 MAX_STOP = 16  # OpenAI allows 4; a few more cost nothing here (stop strings are scanned per token)
@@ -146,21 +144,11 @@ def parse_request(body: bytes, kind: type[R]) -> R:
     return req
 
 
-def render_messages(template: str | None, messages: list[Message]) -> str:
-    """The prompt text for `messages` in the model's chat template; a template that refuses
-    them (e.g. roles that must alternate) is a 400 that says so."""
-    msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
+def chat_messages(messages: list[Message]) -> list[dict[str, str]]:
+    """The messages as a chat template takes them (`developer` is `system`, parts joined);
+    tokenized by `chat.ChatTokenizer`, where their text stays text."""
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
              **({"name": m.name} if m.name else {})} for m in messages]
-    if not template:
-        raise bad_request("this model has no chat template; send a raw prompt to "
-                          "/v1/completions instead", param="messages")
-    try:
-        return render_chat(template, msgs)
-    except EdgeKVError as e:
-        raise bad_request(str(e), param="messages") from None
-    except Exception as e:  # noqa: BLE001 - jinja2.TemplateError and what templates raise
-        raise bad_request(f"the model's chat template refused these messages: {e}",
-                          param="messages") from None
 
 
 # -- private helpers ----------------------------------------------------------------------

@@ -44,7 +44,6 @@ import secrets
 import stat
 import threading
 import time
-import traceback
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -59,6 +58,7 @@ from starlette.responses import Response, StreamingResponse
 
 from ..compactor import merge_layers
 from ..config import config_default
+from ..errorlog import log_internal_error
 from ..errors import EdgeKVError
 from ..fragment import KVFragment
 from ..keys import KV_SERVER_TENANTS, next_key, tenant_root
@@ -164,10 +164,9 @@ def _json(content: Any, status: int = 200, headers: dict[str, str] | None = None
 
 
 def _log_internal(e: BaseException, where: str) -> None:
-    """An internal error, by type and place only: its message may hold request data."""
-    frames = traceback.extract_tb(e.__traceback__)
-    at = "; ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames[-4:])
-    log.error("kv-server: internal error %s in %s (at %s)", type(e).__name__, where, at)
+    """An internal error, by type and place only (its message may hold request data), the
+    traceback at DEBUG: the policy `edgekv serve` follows too (`errorlog`)."""
+    log_internal_error(log, e, where=f"kv-server {where}")
 
 
 def _guarded(fn: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Any]:
