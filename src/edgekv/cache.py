@@ -26,6 +26,7 @@ import numpy as np
 
 from .config import CacheConfig
 from .engines.base import KVAdapter, TokenCallback
+from .engines.constraint import Constraint
 from .engines.probe import ProbeResult, load_or_probe
 from .errors import (
     ChunkRejected,
@@ -150,7 +151,8 @@ class EdgeKV:
                  on_token: TokenCallback | None = None, salt: str = "",
                  fill: FillStep | None = None, passages: Sequence[str] | None = None,
                  passage_policy: PassagePolicy | None = None,
-                 namespace: str = KV_SERVER_TENANTS) -> GenerationResult:
+                 namespace: str = KV_SERVER_TENANTS,
+                 constraint: Constraint | None = None) -> GenerationResult:
         """Answer `prompt` (text, or token ids), reusing what the cache holds for it.
 
         `salt` names a tenant (an API key, an OpenAI `cache_salt`): its prefixes are cached in
@@ -161,7 +163,9 @@ class EdgeKV:
         injected prefix by whole chunks before the rest is prefilled (the SparKV executor,
         `stream.hybrid`); it runs where the match ends on a chunk boundary. `passages`
         (with `CacheConfig.passage_reuse`): texts placed before `prompt` whose cached KV is
-        reused wherever they sit (approximate, labelled in `result.passages`, see `passages`)."""
+        reused wherever they sit (approximate, labelled in `result.passages`, see `passages`).
+        `constraint` (`engines.constraint`: a grammar, a logprob recorder) masks what each step
+        may sample; it never touches the KV, so what is reused and stored is unchanged."""
         t0 = time.perf_counter()
         a = self.adapter
         layout: PassageLayout | None = None
@@ -211,7 +215,8 @@ class EdgeKV:
             return True if on_token is None else on_token(tok)
 
         gen = a.generate(logits, max_tokens, temperature=temperature, seed=seed,
-                         keep_logits=keep_logits, top_p=top_p, on_token=timed)
+                         keep_logits=keep_logits, top_p=top_p, on_token=timed,
+                         **({} if constraint is None else {"constraint": constraint}))
         t_gen = time.perf_counter()
         t_first = first[0] if first else t_gen  # an answer of EOS alone: its end
         if self.router is not None and use_cache and text is not None and match.route is None:

@@ -17,12 +17,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 
 from ..fragment import KVFragment
 from ..keys import ModelFingerprint
+
+if TYPE_CHECKING:
+    from .constraint import Constraint
 
 __all__ = ["EngineCounters", "FragmentSpec", "Generation", "KVAdapter", "TokenCallback"]
 
@@ -151,6 +154,10 @@ class KVAdapter(Protocol):
 
     def generate(self, logits: np.ndarray, max_tokens: int, *, temperature: float = 0.0,
                  seed: int = 0, keep_logits: bool = False, top_p: float = 1.0,
-                 on_token: TokenCallback | None = None) -> Generation: ...
+                 on_token: TokenCallback | None = None,
+                 constraint: Constraint | None = None) -> Generation:
+        """Sample up to `max_tokens` from `logits` on (`shared.sample_loop`); `constraint`
+        masks each step's logits (a grammar, `engines.constraint`), never the KV."""
+        ...
 
     def close(self) -> None: ...

@@ -28,6 +28,7 @@ from ..errors import EngineError, IncompatibleFragment, UnsupportedLayout
 from ..fragment import KVFragment
 from ..keys import ModelFingerprint, file_sha256
 from .base import EngineCounters, FragmentSpec, Generation, TokenCallback
+from .constraint import Constraint, Grammar
 from .llamacpp_state import SeqState, SeqStateWriter, parse_seq_state
 from .models import resolve_model
 from .shared import (
@@ -90,6 +91,7 @@ class LlamaCppAdapter:
         self._ctx = self._llm.ctx  # the llama_context the C bindings take
         self._n_vocab = self._llm.n_vocab()
         self._controls: dict[str, int] | None = None  # control_tokens(), read once
+        self._grammar_blocked: np.ndarray | None = None  # grammar_constraint(), read once
         try:
             self.fingerprint = self._make_fingerprint(memo_dir)
             self.window = window_layout(self._llm.metadata, self.fingerprint.n_layer)
@@ -223,9 +225,25 @@ class LlamaCppAdapter:
 
     def generate(self, logits: np.ndarray, max_tokens: int, *, temperature: float = 0.0,
                  seed: int = 0, keep_logits: bool = False, top_p: float = 1.0,
-                 on_token: TokenCallback | None = None) -> Generation:
+                 on_token: TokenCallback | None = None,
+                 constraint: Constraint | None = None) -> Generation:
         return sample_loop(self, logits, max_tokens, temperature=temperature, seed=seed,
-                           keep_logits=keep_logits, top_p=top_p, on_token=on_token)
+                           keep_logits=keep_logits, top_p=top_p, on_token=on_token,
+                           constraint=constraint)
+
+    def grammar_constraint(self, grammar: Grammar) -> Constraint:
+        """`constraint.GrammarEngine`: llama.cpp's grammar sampler over this vocabulary."""
+        from .llamacpp_grammar import LlamaGrammarConstraint, blocked_tokens
+
+        if self._grammar_blocked is None:
+            self._grammar_blocked = blocked_tokens(self._lib, self._llm.model, self._n_vocab,
+                                                   self.eos_token)
+        return LlamaGrammarConstraint(self._lib, self._llm.model, grammar,
+                                      n_vocab=self._n_vocab, blocked=self._grammar_blocked)
+
+    def token_bytes(self, token: int) -> bytes:
+        """The token's piece as bytes (half a UTF-8 character, where it holds one)."""
+        return bytes(self._llm.detokenize([int(token)]))
 
     # -- fragments -----------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ from ..errors import ConfigError, EngineError, IncompatibleFragment
 from ..fragment import KVFragment
 from ..keys import ModelFingerprint
 from .base import FragmentSpec, Generation, KVAdapter, TokenCallback
+from .constraint import Constraint
 from .window import WindowLayout
 
 __all__ = ["SequenceAdapter", "aligned_batches", "append_length", "build_fragments",
@@ -64,9 +65,12 @@ def sample_token(logits: np.ndarray, temperature: float, top_p: float,
 
 def sample_loop(adapter: KVAdapter, logits: np.ndarray, max_tokens: int, *, temperature: float,
                 seed: int, keep_logits: bool, top_p: float = 1.0,
-                on_token: TokenCallback | None = None) -> Generation:
+                on_token: TokenCallback | None = None,
+                constraint: Constraint | None = None) -> Generation:
     """Sample one token at a time (`sample_token`); each token but the last is evaluated, so
-    the engine then holds the prompt and the answer less its last token."""
+    the engine then holds the prompt and the answer less its last token. A `constraint`
+    masks each step's logits before the draw and is told the token drawn (before `on_token`
+    sees it); the logits kept with `keep_logits` are the raw ones, before its mask."""
     if max_tokens < 0:
         raise ConfigError(f"max_tokens={max_tokens} must be >= 0")
     if not 0.0 < top_p <= 1.0:
@@ -83,11 +87,14 @@ def sample_loop(adapter: KVAdapter, logits: np.ndarray, max_tokens: int, *, temp
     for i in range(max_tokens):
         if keep_logits:
             kept.append(logits)
-        tok = sample_token(logits, temperature, top_p, rng)
+        tok = sample_token(logits if constraint is None else constraint.mask(logits),
+                           temperature, top_p, rng)
         tokens.append(tok)
         if tok == adapter.eos_token:
             eos = True
             break
+        if constraint is not None:
+            constraint.accept(tok)
         if on_token is not None and on_token(tok) is False:
             stopped = True
             break
@@ -240,6 +247,8 @@ class SequenceAdapter:
 
     def generate(self, logits: np.ndarray, max_tokens: int, *, temperature: float = 0.0,
                  seed: int = 0, keep_logits: bool = False, top_p: float = 1.0,
-                 on_token: TokenCallback | None = None) -> Generation:
+                 on_token: TokenCallback | None = None,
+                 constraint: Constraint | None = None) -> Generation:
         return sample_loop(self, logits, max_tokens, temperature=temperature, seed=seed,  # type: ignore[arg-type]
-                           keep_logits=keep_logits, top_p=top_p, on_token=on_token)
+                           keep_logits=keep_logits, top_p=top_p, on_token=on_token,
+                           constraint=constraint)
