@@ -191,6 +191,15 @@ BAD = [  # (path, raw body, status, error code)
     ("/v1/completions", json.dumps({"prompt": ["a", "b"]}).encode(), 400, "invalid_value"),
     ("/v1/completions", json.dumps({"prompt": "x", "echo": True}).encode(), 400,
      "unsupported_parameter"),
+    # the fake engine has no grammar sampler: a constrained request is refused, with why
+    (CHAT, json.dumps(chat_body(response_format={"type": "json_object"})).encode(), 400,
+     "unsupported_parameter"),
+    (CHAT, json.dumps(chat_body(tools=[{"type": "function", "function": {"name": "f"}}],
+                                tool_choice="required")).encode(), 400,
+     "unsupported_parameter"),
+    (CHAT, json.dumps(chat_body(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "nonsense"}}})).encode(), 400, "invalid_schema"),
+    (CHAT, json.dumps(chat_body(top_logprobs=2)).encode(), 400, "invalid_value"),
 ]
 
 
@@ -215,6 +224,27 @@ def test_bad_input_gets_an_openai_error_while_a_good_request_runs(url, kv):
     assert good["r"].status_code == 200 and good["r"].json()["usage"]["completion_tokens"] == 6
     assert neutral[0].status_code == 200
     assert post(url, CHAT, chat_body()).status_code == 200  # and it still serves
+
+
+def test_logprobs_on_any_engine_and_tools_with_auto_on_one_without_grammars(url):
+    r = post(url, CHAT, chat_body(logprobs=True, top_logprobs=3)).json()
+    choice = r["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert len(content) == r["usage"]["completion_tokens"]
+    assert "".join(t["token"] for t in content) == choice["message"]["content"]
+    for t in content:
+        lps = [a["logprob"] for a in t["top_logprobs"]]
+        assert t["logprob"] <= 0 and lps == sorted(lps, reverse=True) and len(lps) == 3
+        assert t["top_logprobs"][0]["token"] == t["token"]  # greedy
+    # "auto" needs no grammar: free text, parsed if it is a call (here it is not)
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    r = post(url, CHAT, chat_body(tools=tools)).json()
+    assert r["choices"][0]["finish_reason"] in ("stop", "length")
+    assert "tool_calls" not in r["choices"][0]["message"]
+    streamed = sse_chunks(httpx.post(url + CHAT, json=chat_body(tools=tools, stream=True),
+                                     timeout=20).text)
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in streamed) == \
+        r["choices"][0]["message"]["content"]
 
 
 def test_api_keys_make_tenants_whose_prefixes_stay_apart(kv):

@@ -24,11 +24,13 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from ..cache import EdgeKV
+from ..engines.constraint import Grammar
 from ..errors import ConfigError
 from .errors import (
     CLIENT_GONE,
     APIError,
     api_error_response,
+    bad_request,
     client_gone_response,
     http_error_response,
 )
@@ -37,7 +39,9 @@ from .guard import Tenant, authenticate, read_body, wait_disconnect
 from .metrics import CONTENT_TYPE, CountResponses, ServeMetrics
 from .responses import DONE, CompletionShape, EventStream, sse
 from .scheduler import Job, Scheduler
-from .schemas import ChatRequest, CompletionRequest, chat_messages, parse_request
+from .schemas import ChatRequest, CompletionRequest, parse_request
+from .structured import response_grammar
+from .tools import ToolPlan, chat_prompt, plan_tools
 
 __all__ = ["ServeOptions", "create_app"]
 
@@ -143,9 +147,17 @@ class _Server:
         served.check_limit(limit, "max_completion_tokens" if req.max_completion_tokens
                            is not None else "max_tokens")
         served.check_chat()
-        msgs = chat_messages(req.messages)
+        tools = plan_tools(req)
+        grammar = response_grammar(req.response_format)
+        if tools is not None and tools.forced:
+            if grammar is not None:
+                raise bad_request("tool_choice forces a tool call and response_format asks "
+                                  "for JSON of its own; send one of the two",
+                                  param="response_format")
+            grammar = tools.grammar()
+        msgs = chat_prompt(req.messages, tools)
         return await self._run(request, served, req, lambda: served.prepare_chat(msgs, limit),
-                               tenant, chat=True)
+                               tenant, chat=True, grammar=grammar, tools=tools)
 
     async def completions(self, request: Request) -> Response:
         tenant = authenticate(request, self.options.api_keys)
@@ -157,7 +169,7 @@ class _Server:
         prompt = one if isinstance(one, str) else tuple(one)
         return await self._run(request, served, req,
                                lambda: served.prepare(prompt, req.max_tokens, "prompt"),
-                               tenant, chat=False)
+                               tenant, chat=False, grammar=response_grammar(req.response_format))
 
     async def models(self, request: Request) -> JSONResponse:
         authenticate(request, self.options.api_keys)
@@ -206,14 +218,18 @@ class _Server:
     async def _run(self, request: Request, served: ServedModel,
                    req: ChatRequest | CompletionRequest,
                    prepare: Callable[[], tuple[tuple[int, ...], int]], tenant: Tenant, *,
-                   chat: bool) -> Response:
-        """`prepare` (tokens and max_tokens, or a 400) runs beside the worker, then the job
-        is queued."""
+                   chat: bool, grammar: Grammar | None = None,
+                   tools: ToolPlan | None = None) -> Response:
+        """`prepare` (tokens and max_tokens, or a 400) and the grammar's state over the
+        vocabulary run beside the worker, then the job is queued."""
         tokens, max_tokens = await asyncio.to_thread(prepare)
+        param = "tool_choice" if tools is not None and tools.forced else "response_format"
+        constraint = await asyncio.to_thread(served.constraint, grammar, param)
         seed = secrets.randbits(32) if req.seed is None else req.seed % 2**63
         gen = GenRequest(tokens=tokens, max_tokens=max_tokens, temperature=req.temperature,
                          top_p=req.top_p, seed=seed, stop=req.stops(),
-                         salt=tenant.salt(req.cache_salt))
+                         salt=tenant.salt(req.cache_salt), constraint=constraint,
+                         top_logprobs=req.top_k(), tools=tools)
         shape = CompletionShape(chat, self.model_id, "fp_" + served.kv.fingerprint[:12])
         job = Job(tenant.queue(req.cache_salt), lambda j: served.run(gen, j, self.metrics),
                   asyncio.get_running_loop(), request_id=shape.id)
@@ -246,8 +262,20 @@ class _Server:
             yield sse(shape.chunk("", role=True, with_usage=usage))
         while (event := await job.next_event(gone)) is not None:
             if isinstance(event, Delta):
-                yield sse(shape.chunk(event.text, with_usage=usage))
+                lps = event.logprobs if event.logprobs else None
+                yield sse(shape.chunk(event.text, with_usage=usage, logprobs=lps))
             elif isinstance(event, Finished):
+                late = (event.logprobs[event.sent_logprobs:] if event.logprobs is not None
+                        else ())
+                if event.tool_calls:  # one chunk per call (the first carries late logprobs)
+                    for i, call in enumerate(event.tool_calls):
+                        chunk = shape.chunk(None, with_usage=usage,
+                                            logprobs=late if i == 0 and late else None,
+                                            tool_calls=[call])
+                        chunk["choices"][0]["delta"]["tool_calls"][0]["index"] = i
+                        yield sse(chunk)
+                elif late:
+                    yield sse(shape.chunk("", with_usage=usage, logprobs=late))
                 yield sse(shape.chunk(None, finish_reason=event.finish_reason, with_usage=usage))
                 if usage:
                     yield sse(shape.usage_chunk(event))

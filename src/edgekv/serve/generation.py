@@ -18,12 +18,15 @@ from dataclasses import dataclass
 
 from ..cache import EdgeKV
 from ..chat import ChatTokenizer
-from ..errors import EdgeKVError
+from ..engines.constraint import Chain, Constraint, Grammar, grammar_constraint
+from ..errors import EdgeKVError, EngineError
 from ..keys import SERVE_TENANTS
 from .decode import IncrementalText
 from .errors import APIError, bad_request, from_library_error
+from .logprobs import LogprobRecorder, TokenLogprob
 from .metrics import ServeMetrics
 from .scheduler import Job
+from .tools import ToolCallOut, ToolPlan, ToolReply
 
 __all__ = ["Delta", "Finished", "GenRequest", "ServedModel", "Started"]
 
@@ -39,6 +42,9 @@ class GenRequest:
     seed: int
     stop: tuple[str, ...]
     salt: str  # the tenant's cache chain (see app.tenant_salt)
+    constraint: Constraint | None = None  # a grammar's state (structured output, forced call)
+    top_logprobs: int | None = None  # None: no logprobs; else alternatives per token
+    tools: ToolPlan | None = None  # the answer may be tool calls (tools.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +55,7 @@ class Started:
 @dataclass(frozen=True, slots=True)
 class Delta:
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()  # of the tokens since the last Delta
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +66,9 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    logprobs: tuple[TokenLogprob, ...] | None = None  # every token's, when asked for
+    tool_calls: tuple[ToolCallOut, ...] = ()
+    sent_logprobs: int = 0  # how many of `logprobs` the Deltas carried
 
 
 class ServedModel:
@@ -136,19 +146,44 @@ class ServedModel:
                            "fewer tokens", code="context_length_exceeded", param=param)
         return tokens, room if limit is None else limit
 
+    def constraint(self, grammar: Grammar | None, param: str) -> Constraint | None:
+        """The request's grammar state over this model's vocabulary (built on arrival, so a
+        grammar the engine refuses, or an engine without grammars, is a 400 at once)."""
+        if grammar is None:
+            return None
+        try:
+            with self._tokenizing:  # grammar init reads the vocabulary, as tokenizing does
+                return grammar_constraint(self.kv.adapter, grammar)
+        except EdgeKVError as e:
+            raise APIError(400, str(e), code="unsupported_parameter" if isinstance(
+                e, EngineError) else "invalid_schema", param=param) from None
+
     def run(self, req: GenRequest, job: Job, metrics: ServeMetrics) -> None:
         """The job's work, on the worker thread."""
         if job.cancelled.is_set():
             return
         job.emit(Started(len(req.tokens)))
         text = IncrementalText(self.kv.adapter.detokenize, req.stop)
+        reply = ToolReply(req.tools) if req.tools is not None else None
+        recorder = (LogprobRecorder(req.top_logprobs, self._piece)
+                    if req.top_logprobs is not None else None)
+        parts = [p for p in (recorder, req.constraint) if p is not None]
+        constraint = None if not parts else parts[0] if len(parts) == 1 else Chain(*parts)
+        sent = 0  # logprob entries handed out with Deltas
+
+        def emit(piece: str) -> None:
+            nonlocal sent
+            if reply is not None:
+                piece = reply.push(piece)
+            if piece:
+                lps = () if recorder is None else tuple(recorder.entries[sent:])
+                sent += len(lps)
+                job.emit(Delta(piece, lps))
 
         def on_token(token: int) -> bool:
             if job.cancelled.is_set():
                 return False
-            piece = text.push(token)
-            if piece:
-                job.emit(Delta(piece))
+            emit(text.push(token))
             return not text.stopped
 
         t0 = time.perf_counter()
@@ -156,22 +191,35 @@ class ServedModel:
             r = self.kv.generate(list(req.tokens), max_tokens=req.max_tokens,
                                  temperature=req.temperature, top_p=req.top_p, seed=req.seed,
                                  on_token=on_token, salt=req.salt, namespace=SERVE_TENANTS,
-                                 use_cache=self.use_cache)
+                                 use_cache=self.use_cache, constraint=constraint)
         except EdgeKVError as e:  # its message goes to the client, not to the log
             log.warning("request %s refused by generate: %s", job.request_id, type(e).__name__)
             log.debug("request %s refused by generate", job.request_id, exc_info=e)
             job.emit(from_library_error(e))
             return
-        rest = text.finish()
-        if rest:
-            job.emit(Delta(rest))
+        emit(text.finish())
+        calls, held = reply.finish(text.text) if reply is not None else (None, "")
+        if held:  # an answer that looked like a call and was not: text after all
+            lps = () if recorder is None else tuple(recorder.entries[sent:])
+            sent += len(lps)
+            job.emit(Delta(held, lps))
         done = time.perf_counter()
         metrics.observe(prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens,
                         completion_tokens=len(r.tokens), ttft_s=t0 - job.arrived + r.ttft_s,
                         e2e_s=done - job.arrived, refused_injection=bool(r.rejections))
-        job.emit(Finished(text=text.text, finish_reason="stop" if text.stopped else
-                          r.finish_reason, prompt_tokens=r.prompt_tokens,
-                          completion_tokens=len(r.tokens), cached_tokens=r.cached_tokens))
+        reason = "tool_calls" if calls else "stop" if text.stopped else r.finish_reason
+        job.emit(Finished(text="" if calls else text.text, finish_reason=reason,
+                          prompt_tokens=r.prompt_tokens, completion_tokens=len(r.tokens),
+                          cached_tokens=r.cached_tokens,
+                          logprobs=None if recorder is None else tuple(recorder.entries),
+                          tool_calls=tuple(calls or ()), sent_logprobs=sent))
+
+    def _piece(self, token: int) -> bytes:
+        """A token's bytes: the adapter's own (llama.cpp's piece), else its text's."""
+        raw = getattr(self.kv.adapter, "token_bytes", None)
+        if raw is not None:
+            return bytes(raw(token))
+        return self.kv.adapter.detokenize([token]).encode("utf-8")
 
 
 def _vocab_size(adapter: object) -> int | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +18,8 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from .generation import Finished
+from .logprobs import TokenLogprob, chat_logprobs, completion_logprobs
+from .tools import ToolCallOut
 
 __all__ = ["CompletionShape", "EventStream", "sse", "usage"]
 
@@ -43,28 +45,40 @@ class CompletionShape:
     fingerprint: str
     id: str = ""
     created: int = 0
+    _offset: int = 0  # characters of text before the next completion logprobs (text_offset)
 
     def __post_init__(self) -> None:
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + secrets.token_hex(12)
         self.created = int(time.time())
 
     def whole(self, f: Finished) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": f.finish_reason}
+        choice: dict[str, Any] = {"index": 0, "logprobs": self._logprobs(f.logprobs),
+                                  "finish_reason": f.finish_reason}
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": f.text}
+            msg: dict[str, Any] = {"role": "assistant",
+                                   "content": None if f.tool_calls else f.text}
+            if f.tool_calls:
+                msg["tool_calls"] = [c.wire() for c in f.tool_calls]
+            choice["message"] = msg
         else:
             choice["text"] = f.text
         return {**self._head(""), "choices": [choice], "usage": usage(f)}
 
     def chunk(self, text: str | None = None, *, role: bool = False,
-              finish_reason: str | None = None, with_usage: bool = False) -> dict[str, Any]:
+              finish_reason: str | None = None, with_usage: bool = False,
+              logprobs: Sequence[TokenLogprob] | None = None,
+              tool_calls: Sequence[ToolCallOut] = ()) -> dict[str, Any]:
         """One streamed chunk; `with_usage` adds `"usage": null` as OpenAI does once usage
-        was asked for (the usage itself comes in `usage_chunk`)."""
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+        was asked for (the usage itself comes in `usage_chunk`). Tool calls go one per
+        chunk (`delta.tool_calls[0].index` says which), each with its whole arguments."""
+        choice: dict[str, Any] = {"index": 0, "logprobs": self._logprobs(logprobs),
+                                  "finish_reason": finish_reason}
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = [c.wire(i) for i, c in enumerate(tool_calls)]
             choice["delta"] = delta
         else:
             choice["text"] = text or ""
@@ -75,6 +89,15 @@ class CompletionShape:
 
     def usage_chunk(self, f: Finished) -> dict[str, Any]:
         return {**self._head(".chunk"), "choices": [], "usage": usage(f)}
+
+    def _logprobs(self, entries: Sequence[TokenLogprob] | None) -> dict[str, Any] | None:
+        if entries is None:
+            return None
+        if self.chat:
+            return chat_logprobs(list(entries))
+        start = self._offset
+        self._offset += sum(len(e.token) for e in entries)
+        return completion_logprobs(list(entries), start)
 
     def _head(self, suffix: str) -> dict[str, Any]:
         obj = ("chat.completion" + suffix) if self.chat else "text_completion"

@@ -3,33 +3,37 @@
 Why strict: a field the server silently ignores is a field whose effect the client silently
 loses. Unknown fields are refused (400). OpenAI fields that EdgeKV does not implement are
 accepted only at the value that leaves greedy output unchanged (`frequency_penalty: 0`,
-`logprobs: false`, `tools: []`, ...; see `NEUTRAL`), and fields that never change the output
-(`user`, `metadata`, `service_tier`, `parallel_tool_calls`) are accepted and ignored. Types are
-not coerced (`"max_tokens": "5"` is a 400, as at OpenAI).
+`functions: []`, ...; see `NEUTRAL`), and fields that never change the output (`user`,
+`metadata`, `service_tier`) are accepted and ignored. Types are not coerced (`"max_tokens": "5"`
+is a 400, as at OpenAI). Here the shapes are checked; what a schema or a tool list means
+(does it convert to a grammar, does `tool_choice` name a tool) is checked in `structured.py`
+and `tools.py`, still before the request is queued.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import APIError, bad_request
 
 __all__ = [
-    "ChatRequest", "CompletionRequest", "Message", "NEUTRAL", "chat_messages", "parse_request",
+    "ChatRequest", "CompletionRequest", "JSONObjectFormat", "JSONSchemaFormat", "Message",
+    "NEUTRAL", "NamedToolChoice", "TextFormat", "Tool", "ToolCall", "chat_messages",
+    "parse_request",
 ]
 
 MAX_STOP = 16  # OpenAI allows 4; a few more cost nothing here (stop strings are scanned per token)
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat (5 for completions; 20 costs nothing more here)
 
 # field -> the values at which an unimplemented OpenAI option changes nothing
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     "frequency_penalty": (None, 0), "presence_penalty": (None, 0),
     "repetition_penalty": (None, 1),  # vLLM's name
-    "logit_bias": (None, {}), "logprobs": (None, False), "top_logprobs": (None, 0),
-    "tools": (None, []), "tool_choice": (None, "none", "auto"),
-    "functions": (None, []), "function_call": (None, "none", "auto"),
-    "response_format": (None, {"type": "text"}), "modalities": (None, ["text"]),
+    "logit_bias": (None, {}),
+    "functions": (None, []), "function_call": (None, "none", "auto"),  # legacy: send tools
+    "modalities": (None, ["text"]),
     "store": (None, False), "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1),
 }
 
@@ -43,15 +47,79 @@ class TextPart(_Strict):
     text: str
 
 
+_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for function and schema names
+
+
+class CalledFunction(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it back
+
+
+class ToolCall(_Strict):
+    id: str = Field(min_length=1, max_length=128)
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class Message(_Strict):
-    # "developer" is OpenAI's newer name for "system"; tool turns need tool calling (absent)
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    # "developer" is OpenAI's newer name for "system"; "tool" carries a tool's result
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # None only beside an assistant's tool_calls
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result: the call it answers
+    refusal: str | None = None  # echoed back by clients that resend a whole message
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(
             p.text for p in self.content)
+
+
+class FunctionDef(_Strict):
+    name: str = Field(pattern=_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: no arguments
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class JSONSchemaSpec(_Strict):
+    name: str = Field(pattern=_NAME)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # none: any JSON object
+    strict: bool | None = None
+
+
+class TextFormat(_Strict):
+    type: Literal["text"]
+
+
+class JSONObjectFormat(_Strict):
+    type: Literal["json_object"]
+
+
+class JSONSchemaFormat(_Strict):
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaSpec
+
+
+ResponseFormat = Annotated[TextFormat | JSONObjectFormat | JSONSchemaFormat,
+                           Field(discriminator="type")]
 
 
 class StreamOptions(_Strict):
@@ -73,13 +141,13 @@ class _Common(_Strict):
     # accepted and ignored: they never change what is generated
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
-    parallel_tool_calls: bool | None = None
+    # the JSON the answer must be (structured.py): chat's field, taken by completions too
+    response_format: ResponseFormat | None = None
     # accepted at their neutral value only (see NEUTRAL)
     frequency_penalty: Any = None
     presence_penalty: Any = None
     repetition_penalty: Any = None
     logit_bias: Any = None
-    logprobs: Any = None
 
     def stops(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -90,12 +158,13 @@ class _Common(_Strict):
 class ChatRequest(_Common):
     messages: list[Message]
     max_completion_tokens: int | None = Field(None, ge=0)
-    top_logprobs: Any = None
-    tools: Any = None
-    tool_choice: Any = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     modalities: Any = None
     store: Any = None
 
@@ -107,15 +176,23 @@ class ChatRequest(_Common):
                               "only max_completion_tokens", param="max_completion_tokens")
         return a if a is not None else b
 
+    def top_k(self) -> int | None:
+        """How many alternatives each token's logprob entry lists; None: no logprobs."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives per token
     echo: Any = None
     suffix: Any = None
     best_of: Any = None
 
     def limit(self) -> int | None:
         return self.max_tokens
+
+    def top_k(self) -> int | None:
+        return self.logprobs
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt: a string or token ids (a batch of one is unwrapped)."""
@@ -174,6 +251,26 @@ def _check(req: ChatRequest | CompletionRequest) -> None:
             raise bad_request("messages is empty; send at least one message",
                               param="messages")
         req.limit()
+        if req.top_logprobs and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs=true; send both",
+                              param="top_logprobs")
+        for i, m in enumerate(req.messages):
+            _check_message(i, m)
+
+
+def _check_message(i: int, m: Message) -> None:
+    """What each role may carry: tool_calls on an assistant turn, tool_call_id on a tool's."""
+    param = f"messages.{i}"
+    if m.tool_calls is not None and m.role != "assistant":
+        raise bad_request(f"messages[{i}] ({m.role}) has tool_calls; only an assistant message "
+                          "may carry them", param=param + ".tool_calls")
+    if (m.tool_call_id is None) == (m.role == "tool"):
+        raise bad_request(f"messages[{i}]: a tool message needs tool_call_id (the id of the "
+                          "call it answers), and only a tool message may carry one",
+                          param=param + ".tool_call_id")
+    if m.content is None and not (m.role == "assistant" and m.tool_calls):
+        raise bad_request(f"messages[{i}] ({m.role}) has no content; give its text",
+                          param=param + ".content")
 
 
 def _neutral(value: Any, allowed: tuple[Any, ...]) -> bool:
