@@ -86,7 +86,7 @@ class EdgeKV:
                      self.granularity_reason)
         # the chains' shape: matched, inserted and evicted (leaves first) in one place
         self.index = PrefixIndex(store, self.fingerprint, self.reader.layouts,
-                                 policy=self.config.eviction)
+                                 chunk_size=self.config.chunk_size, policy=self.config.eviction)
         self.matcher = PrefixMatcher(
             self.reader, self.index, self.config.chunk_size, token_exact=self.token_exact,
             partial_reuse=self.config.partial_reuse,

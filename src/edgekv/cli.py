@@ -147,7 +147,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
 
 
 # benchmarks whose module in bench/ parses its own options from the shared `bench` flags
-PLUGGED_BENCHES = ("faults", "fuzz", "rag")
+PLUGGED_BENCHES = ("faults", "fuzz", "rag", "pressure")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

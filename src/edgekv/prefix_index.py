@@ -99,11 +99,12 @@ class PrefixIndex:
 
     def __init__(self, store: FragmentStore, fingerprint: str,
                  layouts: Callable[[str], Sequence[tuple[str, ...]]], *,
-                 policy: str = "leaf") -> None:
+                 chunk_size: int = 0, policy: str = "leaf") -> None:
         if policy not in POLICIES:
             raise ValueError(f"eviction policy {policy!r}: use 'leaf' (the prefix index, "
                              "leaves first) or 'lru' (each tier's own LRU)")
         self.fingerprint, self.layouts, self.policy = fingerprint, layouts, policy
+        self.chunk_size = chunk_size  # 0: unknown, so no tail is taken for redundant
         self.tiers = store.tier_list()
         self._tier_at = {t.name: i for i, t in reversed(list(enumerate(self.tiers)))}
         self._nodes: dict[str, Node] = {}
@@ -155,8 +156,11 @@ class PrefixIndex:
             for i, tier in enumerate(self.tiers):  # a tier that cannot answer now (a Redis
                 if all(tier.contains(n) for n in node.names):  # down) keeps what it had:
                     self._set(node, i, True)  # removals come by its events
-            if self.policy == "leaf" and node.held and not self._reachable(node.parent):
-                self._free_subtree(node)
+            if self.policy == "leaf" and node.held:
+                if not self._reachable(node.parent):
+                    self._free_subtree(node)
+                else:
+                    self._supersede(node)
             self._prune(node)
 
     def saw(self, key: str, parent: str, start: int, tokens: np.ndarray,
@@ -284,6 +288,30 @@ class PrefixIndex:
             up.children[key] = node
         node.start, node.tokens, node.root = start, tokens, False
         return node
+
+    def _supersede(self, node: Node) -> None:
+        """Free the stored tails a full chunk `node` makes redundant: a tail (not a full
+        chunk) beside its path, under its parent or grandparent, whose tokens the path
+        through `node` repeats from the same start. Any match that tail gives, the path
+        gives too (the radix step compares tokens from the tail's start), so it only takes
+        room: a chat turn's partial tail, once the next turn has filled its chunk."""
+        c = self.chunk_size
+        if not c or len(node.tokens) != c:
+            return
+        level, tokens = node, node.tokens
+        for _ in range(2):
+            anchor = level.parent
+            if anchor is None or not level.held:
+                return
+            for leaf in list(anchor.children.values()):
+                if (leaf is not level and not leaf.children and not leaf.lock_ref
+                        and len(leaf.tokens) != c and leaf.held and leaf.start == level.start
+                        and len(leaf.tokens) <= len(tokens)
+                        and np.array_equal(leaf.tokens, tokens[: len(leaf.tokens)])):
+                    self._free_subtree(leaf)
+            level, tokens = anchor, np.concatenate([anchor.tokens, tokens])
+            if level.root:
+                return
 
     def _fill_starts(self) -> None:
         """Rows of an older disk index lack their start: place them after their parent."""

@@ -92,6 +92,35 @@ def test_a_chunk_no_tier_holds_takes_its_unreachable_descendants():
     assert store.contains(k) and lru.orphan_bytes() == f.nbytes
 
 
+def test_a_full_chunk_frees_the_tail_it_repeats_and_nothing_else():
+    store = MemoryStore(10**9)
+    index = PrefixIndex(store, FP, whole, chunk_size=64)
+    d_key, d = chunk("", 0, 1)
+    put(store, index, d_key, d, 0.0)
+    nxt = np.arange(100, 164, dtype=np.int32)  # the next chunk's tokens
+    ids = np.concatenate([d.token_ids, nxt[:20]])  # a turn's tail: stored with chunk 0
+    tail_key = next_key("", FP, ids)
+    kv = np.zeros((1, 84, 4), np.float16)
+    tail = KVFragment(model_fingerprint=FP, chain_key=tail_key, token_start=0, token_end=84,
+                      layer_start=0, layer_end=1, layer_stride=1, n_layer_model=1,
+                      token_ids=ids, keys=kv, values=kv)
+    put(store, index, tail_key, tail, 1.0)
+    other = np.concatenate([d.token_ids, nxt[:19], [7]]).astype(np.int32)  # differs at the end
+    other_key = next_key("", FP, other)
+    put(store, index, other_key, KVFragment(
+        model_fingerprint=FP, chain_key=other_key, token_start=0, token_end=84, layer_start=0,
+        layer_end=1, layer_stride=1, n_layer_model=1, token_ids=other, keys=kv, values=kv), 2.0)
+    full_key = next_key(d_key, FP, nxt)
+    kv64 = np.zeros((1, 64, 4), np.float16)
+    put(store, index, full_key, KVFragment(
+        model_fingerprint=FP, chain_key=full_key, parent_key=d_key, token_start=64,
+        token_end=128, layer_start=0, layer_end=1, layer_stride=1, n_layer_model=1,
+        token_ids=nxt, keys=kv64, values=kv64), 3.0)
+    # the chain d -> full repeats the tail's tokens: the tail only took room
+    assert not store.contains(tail_key)
+    assert store.contains(other_key) and store.contains(full_key) and store.contains(d_key)
+
+
 def test_the_memory_tier_asks_the_index_for_room():
     one = chunk("", 0, 1)[1].nbytes
     store = MemoryStore(3 * one)

@@ -1,0 +1,431 @@
+"""`edgekv bench pressure`: chains under memory pressure, and the Redis tier's batched walk.
+
+Many conversations over a few shared documents, picked with Zipf popularity, each growing
+turn by turn (a turn's prompt holds the document, the earlier questions and the model's own
+answers), through a RAM tier that holds a third to a tenth of their KV. Side by side in one
+run, on the same request sequence:
+
+- "lru": each tier evicts by its own LRU (the design before the prefix index);
+- "leaf": the prefix index evicts the least recently used leaf chunk first;
+- "unbounded": nothing is evicted (the ceiling of what reuse can reach).
+
+Reported per policy: reused tokens, hit rate (requests that reused any token), TTFT, and the
+most bytes held at any point that no lookup can reach ("orphans", counted by the prefix index
+after every request). The large run is on the fake engine (reuse and orphans depend on which
+chunks are kept, not on the engine's speed); TTFT comes only from a smaller run of the real
+engine (llama.cpp + SmolLM2). The Redis rows time a hit on a stored prefix (lookup: chain
+walk, reads, verification) on a real redis-server and a real three-node cluster, with the
+per-item reads of before and the batched walk of now; the index rows time its rebuild from a
+disk tier of 100k chunks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import random
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import tracemalloc
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..cache import EdgeKV
+from ..config import CacheConfig
+from ..engines.base import KVAdapter
+from ..store.base import Hit
+from ..store.memory import MemoryStore
+from .report import environment, table
+
+__all__ = ["Workload", "run_cli", "run_pressure_bench", "pressure_table"]
+
+POLICIES = ("unbounded", "lru", "leaf")
+LAN_RTT_S = 0.002  # a device to a Redis on its LAN (Wi-Fi: 1-5 ms)
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """Conversations over shared documents; `schedule` is the request sequence."""
+
+    docs: tuple[tuple[int, ...], ...]
+    questions: tuple[tuple[tuple[int, ...], ...], ...]  # per conversation, per turn
+    schedule: tuple[tuple[int, int], ...]  # (conversation, turn)
+    max_tokens: int
+
+    @classmethod
+    def make(cls, *, conversations: int, docs: int, turns: int, doc_tokens: int,
+             question_tokens: int, requests: int, max_tokens: int, vocab: tuple[int, int],
+             seed: int = 0) -> Workload:
+        rng = random.Random(seed)
+        lo, hi = vocab
+
+        def text(n: int) -> tuple[int, ...]:
+            return tuple(rng.randrange(lo, hi) for _ in range(n))
+
+        d = tuple(text(doc_tokens) for _ in range(docs))
+        q = tuple(tuple(text(question_tokens) for _ in range(turns))
+                  for _ in range(conversations))
+        weights = [1.0 / (i + 1) for i in range(conversations)]  # Zipf, s = 1
+        order = list(range(conversations))
+        rng.shuffle(order)  # popularity does not follow the document a conversation is on
+        at = [0] * conversations
+        schedule = []
+        for _ in range(requests):
+            conv = order[rng.choices(range(conversations), weights)[0]]
+            schedule.append((conv, at[conv]))
+            at[conv] = (at[conv] + 1) % turns  # a finished conversation is read again
+        return cls(d, q, tuple(schedule), max_tokens)
+
+    def prompt(self, conv: int, turn: int, answers: Sequence[Sequence[int]]) -> list[int]:
+        out = list(self.docs[conv % len(self.docs)])
+        for t in range(turn):
+            out += self.questions[conv][t]
+            out += answers[t]
+        return out + list(self.questions[conv][turn])
+
+
+def run_policy(adapter: KVAdapter, work: Workload, policy: str, capacity: int,
+               cache_dir: Path, chunk_size: int) -> dict[str, Any]:
+    """One pass of the workload through a RAM tier of `capacity` bytes under `policy`."""
+    cfg = CacheConfig(chunk_size=chunk_size, cache_dir=cache_dir,
+                      eviction="lru" if policy == "lru" else "leaf",
+                      ram_capacity_bytes=capacity)
+    store = MemoryStore(capacity)
+    kv = EdgeKV(adapter, store, cfg)
+    answers: dict[int, list[list[int]]] = {}
+    reused = prompt_tokens = hits = 0
+    ttft: list[float] = []
+    orphans = 0
+    for conv, turn in work.schedule:
+        mine = answers.setdefault(conv, [])
+        del mine[turn:]
+        r = kv.generate(work.prompt(conv, turn, mine), max_tokens=work.max_tokens)
+        mine.append(list(r.tokens))
+        reused += r.cached_tokens
+        prompt_tokens += r.prompt_tokens
+        hits += r.cached_tokens > 0
+        ttft.append(r.ttft_s)
+        orphans = max(orphans, kv.index.orphan_bytes())
+    held = store.stats().bytes
+    kv.close()
+    return {"policy": policy, "capacity_bytes": capacity, "requests": len(work.schedule),
+            "prompt_tokens": prompt_tokens, "reused_tokens": reused,
+            "hit_rate": round(hits / len(work.schedule), 4),
+            "ttft_ms_mean": round(statistics.fmean(ttft) * 1000, 3),
+            "ttft_ms_p95": round(_p95(ttft) * 1000, 3), "orphan_bytes_max": orphans,
+            "held_bytes_end": held, "granularity": kv.granularity}
+
+
+def run_pressure(adapter: KVAdapter, work: Workload, ratios: Sequence[float], tmp: Path,
+                 chunk_size: int, engine: str, say: Callable[[str], None]) -> list[dict[str, Any]]:
+    """The unbounded run first (its KV total sizes the RAM tier), then each ratio's runs."""
+    ceiling = run_policy(adapter, work, "unbounded", 1 << 40, tmp / f"{engine}-unb", chunk_size)
+    total = ceiling["held_bytes_end"]
+    say(f"{engine}: unbounded holds {total} B, reused {ceiling['reused_tokens']} tokens")
+    rows = []
+    for ratio in ratios:
+        for policy in POLICIES:
+            row = dict(ceiling) if policy == "unbounded" else run_policy(
+                adapter, work, policy, int(total / ratio), tmp / f"{engine}-{policy}-{ratio}",
+                chunk_size)
+            row.update(ratio=ratio, engine=engine, kv_total_bytes=total,
+                       reused_vs_unbounded=round(row["reused_tokens"]
+                                                 / max(1, ceiling["reused_tokens"]), 4))
+            if engine == "fake":  # its clock measures nothing a user waits for
+                row["ttft_ms_mean"] = row["ttft_ms_p95"] = None
+            rows.append(row)
+            say(f"{engine} ratio {ratio} {policy}: reused {row['reused_tokens']} "
+                f"({row['reused_vs_unbounded']:.1%} of unbounded), orphans max "
+                f"{row['orphan_bytes_max']} B")
+    return rows
+
+
+def _per_item(redis_store: type) -> type:
+    class PerItem(redis_store):
+        """Redis read one key at a time (the protocol's default `get_many`): how every tier
+        answered a chain walk before batching."""
+
+        def get_many(self, keys: Sequence[str], now: float | None = None, *,
+                     prefix: bool = False) -> list[Hit | None]:
+            out: list[Hit | None] = []
+            for key in keys:  # one `get` (a pipeline of GET + HGETALL) per key
+                hit = None if prefix and out and out[-1] is None else super().get_many(
+                    [key], now)[0]
+                out.append(hit)
+            return out
+
+    return PerItem
+
+
+class DelayProxy:
+    """A loopback TCP proxy that holds every byte `rtt_s / 2` in each direction (no rate
+    limit): a LAN's round trip in front of a local redis-server, without root or netem."""
+
+    def __init__(self, port: int, rtt_s: float) -> None:
+        self.target, self.delay = port, rtt_s / 2
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self._server.getsockname()[1])
+        self._conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._server.accept()
+            except OSError:
+                return  # closed
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            for sock in (client, upstream):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._conns += [client, upstream]
+            self._pump(client, upstream)
+            self._pump(upstream, client)
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        q: queue.Queue[tuple[float, bytes] | None] = queue.Queue()
+
+        def read() -> None:
+            try:
+                while data := src.recv(1 << 16):
+                    q.put((time.monotonic() + self.delay, data))
+            except OSError:
+                pass
+            q.put(None)
+
+        def write() -> None:
+            try:
+                while (item := q.get()) is not None:
+                    time.sleep(max(0.0, item[0] - time.monotonic()))
+                    dst.sendall(item[1])
+                dst.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+
+        threading.Thread(target=read, daemon=True).start()
+        threading.Thread(target=write, daemon=True).start()
+
+    def close(self) -> None:
+        self._server.close()
+        for sock in self._conns:
+            sock.close()
+
+
+# the fake engine's KV shapes for the Redis rows: SmolLM2's (30 layers, 3 KV heads of 64:
+# 2.9 MB a 128-token chunk) and a small one (4 layers, 2 heads of 4: 16 KiB a chunk), where
+# the round trips, not the bytes, are the cost
+KV_SHAPES = {"smollm2": {"n_layer": 30, "n_head_kv": 3, "head_dim": 64},
+             "small": {"n_layer": 4, "n_head_kv": 2, "head_dim": 4}}
+
+
+def redis_hits(url: str, store_name: str, prefixes: Sequence[int], runs: int,
+               tmp: Path, rtt_ms: float = 0.0) -> list[dict[str, Any]]:
+    """Hit latency on prefixes stored in Redis: per-item reads vs the batched walk,
+    interleaved, for each KV shape (`KV_SHAPES`)."""
+    rows = []
+    for shape in KV_SHAPES:
+        rows += _redis_hits(url, store_name, shape, prefixes, runs, tmp, rtt_ms)
+    return rows
+
+
+def _redis_hits(url: str, store_name: str, shape: str, prefixes: Sequence[int], runs: int,
+                tmp: Path, rtt_ms: float) -> list[dict[str, Any]]:
+    from ..engines.fake import FakeAdapter
+    from ..store.redis import RedisStore
+
+    dims = KV_SHAPES[shape]
+    adapter = FakeAdapter(n_layer=dims["n_layer"], n_head_kv=dims["n_head_kv"],
+                          head_dim=dims["head_dim"], n_ctx=4096)
+    rng = random.Random(1)
+    rows = []
+    for n in prefixes:
+        tokens = [rng.randrange(1, 250) for _ in range(n + 1)]  # the last one is computed
+        redis = RedisStore(url)
+        redis.clear()
+        cfg = CacheConfig(chunk_size=128,
+                          cache_dir=tmp / f"redis-{store_name}-{shape}-{n}-{rtt_ms}")
+        EdgeKV(adapter, redis, cfg).generate(tokens, max_tokens=1)
+        redis.close()
+        stores = {b: (RedisStore if b else _per_item(RedisStore))(url) for b in (False, True)}
+        kvs = {b: EdgeKV(adapter, st, cfg) for b, st in stores.items()}
+        times: dict[bool, list[float]] = {False: [], True: []}
+        trips: dict[bool, list[int]] = {False: [], True: []}
+        chunks: dict[bool, Any] = {}
+        for run in range(runs + 1):  # interleaved, so that the machine's load hits both
+            for batched in ((False, True) if run % 2 else (True, False)):
+                before = stores[batched].round_trips
+                t = time.perf_counter()
+                m = kvs[batched].lookup(tokens)
+                dt = time.perf_counter() - t
+                m.release()
+                if m.n_tokens != n:
+                    raise RuntimeError(f"expected a {n}-token hit from Redis, got {m.n_tokens}")
+                if run:  # the first warms the connection pools
+                    times[batched].append(dt)
+                    trips[batched].append(stores[batched].round_trips - before)
+                chunks[batched] = m.chunks
+        for batched in (False, True):
+            got, st = chunks[batched], stores[batched]
+            mean = statistics.fmean(times[batched])
+            rows.append({"store": store_name, "prefix_tokens": n, "batched": batched,
+                         "rtt_ms": rtt_ms, "kv_shape": shape, "chunks": len(got),
+                         "nodes": len({st.server_of(c.chain_key) for c in got}),
+                         "round_trips_per_hit": statistics.fmean(trips[batched]),
+                         "hit_ms_mean": round(mean * 1000, 3),
+                         "hit_ms_median": round(statistics.median(times[batched]) * 1000, 3),
+                         "hit_ms_per_chunk": round(mean * 1000 / max(1, len(got)), 3),
+                         "chunk_bytes": got[0].head.nbytes if got else 0, "runs": runs})
+        stores[True].clear()
+        for st in stores.values():
+            st.close()
+    return rows
+
+
+def index_rebuild(chunks: int, tmp: Path, per_chain: int = 100) -> dict[str, Any]:
+    """A disk tier of `chunks` real chunk files (small KV: the index does not read it), then
+    the time to open it (reconcile files and rows) and to rebuild the prefix index, and the
+    index's size (traced allocations)."""
+    import numpy as np
+
+    from ..fragment import KVFragment
+    from ..keys import next_key
+    from ..prefix_index import PrefixIndex
+    from ..store.disk import DiskStore
+
+    fp, span = "f" * 64, 64
+    root = tmp / "rebuild"
+    store = DiskStore(root, 1 << 40, durable=False)  # a bulk load: no fsync per file
+    rng = np.random.default_rng(0)
+    t0 = time.perf_counter()
+    for c in range(0, chunks, per_chain):
+        parent, batch = "", []
+        for i in range(min(per_chain, chunks - c)):
+            ids = rng.integers(0, 30000, span, dtype=np.int32)
+            key = next_key(parent, fp, ids)
+            kv = np.zeros((1, span, 2), np.float16)
+            batch.append((key, KVFragment(
+                model_fingerprint=fp, chain_key=key, parent_key=parent, token_start=i * span,
+                token_end=(i + 1) * span, layer_start=0, layer_end=1, layer_stride=1,
+                n_layer_model=1, token_ids=ids, keys=kv, values=kv)))
+            parent = key
+        store.put_many(batch)
+    fill_s = time.perf_counter() - t0
+    store.close()
+    t0 = time.perf_counter()
+    store = DiskStore(root, 1 << 40)
+    open_s = time.perf_counter() - t0
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    index = PrefixIndex(store, fp, lambda k: [(k,)])
+    rebuild_s = time.perf_counter() - t0
+    size, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    n = len(index)
+    store.close()
+    return {"chunks": n, "store_open_s": round(open_s, 3), "index_rebuild_s": round(rebuild_s, 3),
+            "index_bytes": size, "index_bytes_per_chunk": round(size / max(1, n), 1),
+            "fill_s": round(fill_s, 1)}
+
+
+def run_pressure_bench(*, model: str | None = None, requests: int = 600,
+                       real_requests: int = 36, ratios: Sequence[float] = (3, 5, 10),
+                       redis: bool = True, rebuild_chunks: int = 100_000, seed: int = 0,
+                       threads: int | None = None,
+                       progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    from ..bench.redis_servers import cluster, server
+    from ..engines.fake import FakeAdapter
+
+    say = progress or (lambda _m: None)
+    res: dict[str, Any] = {"environment": environment(), "pressure": [], "redis": []}
+    with tempfile.TemporaryDirectory(prefix="edgekv-pressure-") as d:
+        tmp = Path(d)
+        fake = Workload.make(conversations=48, docs=8, turns=8, doc_tokens=512,
+                             question_tokens=32, requests=requests, max_tokens=8,
+                             vocab=(1, 250), seed=seed)
+        res["pressure"] += run_pressure(FakeAdapter(n_ctx=4096), fake, ratios, tmp, 64,
+                                        "fake", say)
+        if real_requests:
+            from ..engines.llamacpp import LlamaCppAdapter
+
+            adapter = LlamaCppAdapter(model, n_ctx=2048, n_threads=threads)
+            real = Workload.make(conversations=12, docs=3, turns=4, doc_tokens=256,
+                                 question_tokens=24, requests=real_requests, max_tokens=4,
+                                 vocab=(1000, 20000), seed=seed)
+            res["pressure"] += run_pressure(adapter, real, ratios[:1], tmp, 128, "llama.cpp",
+                                            say)
+        if redis:
+            with server(tmp / "redis") as one:
+                res["redis"] += redis_hits(one.url, "redis", (256, 1024), 10, tmp)
+                proxy = DelayProxy(one.port, LAN_RTT_S)
+                try:
+                    res["redis"] += redis_hits(f"redis://127.0.0.1:{proxy.port}/0", "redis",
+                                               (256, 1024), 10, tmp, LAN_RTT_S * 1000)
+                finally:
+                    proxy.close()
+            say("redis: done")
+            with cluster(tmp / "cluster") as three:
+                res["redis"] += redis_hits(three.url, "redis-cluster", (256, 1024), 10, tmp)
+            say("redis-cluster: done")
+        if rebuild_chunks:
+            res["index"] = index_rebuild(rebuild_chunks, tmp)
+            say(f"index: {res['index']}")
+    res["setup"] = {
+        "fake": {"conversations": 48, "docs": 8, "turns": 8, "doc_tokens": 512,
+                 "question_tokens": 32, "max_tokens": 8, "chunk_size": 64,
+                 "requests": requests},
+        "llama.cpp": {"conversations": 12, "docs": 3, "turns": 4, "doc_tokens": 256,
+                      "question_tokens": 24, "max_tokens": 4, "chunk_size": 128,
+                      "requests": real_requests, "model": model or "SmolLM2-135M (default)"},
+        "store": "RAM tier alone (MemoryStore), capacity = unbounded run's KV / ratio",
+    }
+    return res
+
+
+def pressure_table(res: dict[str, Any]) -> str:
+    def ms(v: Any) -> str:
+        return "-" if v is None else f"{v:.1f}"
+
+    rows = [[r["engine"], f"{r['ratio']:g}x", r["policy"], r["reused_tokens"],
+             f"{r['reused_vs_unbounded']:.1%}", f"{r['hit_rate']:.1%}", ms(r["ttft_ms_mean"]),
+             ms(r["ttft_ms_p95"]), r["orphan_bytes_max"]] for r in res["pressure"]]
+    out = ["Reuse under memory pressure (KV of the workload / RAM tier = ratio). The fake "
+           "engine runs the large workload (reuse and orphans); TTFT is measured only on "
+           "the real engine (llama.cpp), on a smaller workload.", "",
+           table(["engine", "ratio", "policy", "reused tokens", "of unbounded", "hit rate",
+                  "TTFT mean ms", "TTFT p95 ms", "orphan bytes max"], rows)]
+    if res.get("redis"):
+        out += ["", "Redis hit (lookup of a stored prefix: walk, reads, verification), "
+                "per-item reads vs the batched walk (fragments of SmolLM2's KV shape):", "",
+                table(["store", "RTT ms", "chunk KiB", "prefix tokens", "reads",
+                       "round trips / hit", "nodes", "hit ms", "ms / chunk"],
+                      [[r["store"], "loopback" if not r["rtt_ms"] else f"{r['rtt_ms']:g}",
+                        round(r["chunk_bytes"] / 1024), r["prefix_tokens"],
+                        "batched" if r["batched"] else
+                        "per item", f"{r['round_trips_per_hit']:g}", r["nodes"],
+                        r["hit_ms_mean"], r["hit_ms_per_chunk"]] for r in res["redis"]])]
+    if res.get("index"):
+        i = res["index"]
+        out += ["", f"Prefix index rebuilt from a disk tier of {i['chunks']} chunks: store "
+                f"open {i['store_open_s']} s, index rebuild {i['index_rebuild_s']} s, index "
+                f"{i['index_bytes'] / 1e6:.1f} MB ({i['index_bytes_per_chunk']:.0f} B per "
+                "chunk)."]
+    return "\n".join(out)
+
+
+def run_cli(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    """`edgekv bench pressure [--requests N] [--runs N_REAL] [--json PATH]`."""
+    res = run_pressure_bench(
+        model=getattr(args, "model", None), requests=getattr(args, "requests", None) or 600,
+        seed=getattr(args, "seed", 0) or 0, threads=getattr(args, "threads", None),
+        progress=lambda m: print(f"  {m}", file=sys.stderr, flush=True))
+    return res, pressure_table(res)
+
+
+def _p95(xs: Sequence[float]) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round(0.95 * (len(s) - 1))))]
