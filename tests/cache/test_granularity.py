@@ -34,10 +34,48 @@ def plain_cold(prompt, max_tokens, **kw):
 def test_probe_passes_on_an_invariant_engine_and_fails_on_a_variant_one():
     ok = probe_batch_invariance(FakeAdapter())
     assert ok.invariant and ok.granularity == "token" and not ok.failed
-    assert ok.sensitivity > 0 and len(ok.results) == len(probe_mod.schedules(ok.tokens))
+    assert ok.long_tokens == probe_mod.LONG_PROBE_TOKENS  # the fake's context holds it
+    assert ok.sensitivity > 0 and len(ok.results) == (
+        len(probe_mod.schedules(ok.tokens)) + len(probe_mod.long_schedules(ok.long_tokens)))
+    assert ok.sequences == 0  # the fake has no sequence ids: no multi-sequence schedule
     bad = probe_batch_invariance(FakeAdapter(batch_variant=True))
     assert not bad.invariant and bad.granularity == "chunk"
     assert "lone last token" in bad.failed and "4 decode steps" in bad.failed
+    assert {"long 2040: lone last token", "long 2040: 4 decode steps"} <= set(bad.failed)
+
+
+def test_long_schedules_run_only_where_the_context_holds_them():
+    short = probe_batch_invariance(FakeAdapter(n_ctx=1024))
+    assert short.long_tokens == 0 and short.invariant
+    assert len(short.results) == len(probe_mod.schedules(short.tokens))
+    assert not any(name.startswith("long") for name, _, _ in short.results)
+
+
+def test_probe_key_follows_the_kernel_switches(monkeypatch):
+    a = FakeAdapter()
+    for var in probe_mod.KERNEL_ENV:
+        monkeypatch.delenv(var, raising=False)
+    plain, _ = probe_mod.probe_key(a)
+    monkeypatch.setenv("GGML_CPU_BATCH_INVARIANT", "1")
+    switched, readable = probe_mod.probe_key(a)
+    assert switched != plain and "GGML_CPU_BATCH_INVARIANT=1" in readable
+    monkeypatch.setenv("LLAMA_CPP_LIB_PATH", "/elsewhere")
+    assert probe_mod.probe_key(a)[0] not in (plain, switched)
+
+
+def test_an_older_probe_record_is_measured_again(tmp_path):
+    a = FakeAdapter()
+    first = load_or_probe(a, tmp_path)
+    path = probe_mod.probe_path(tmp_path, first.key)
+    old = json.loads(path.read_text())
+    for k in ("long_tokens", "sequences"):
+        del old[k]
+    old["version"] = 1
+    path.write_text(json.dumps(old))
+    assert probe_mod.ProbeResult.from_json(old).long_tokens == 0  # still readable
+    probe_mod._memo.clear()
+    again = load_or_probe(a, tmp_path)
+    assert again.version == probe_mod.PROBE_VERSION and again.long_tokens > 0
 
 
 def test_probe_is_recorded_once_and_read_back(tmp_path, monkeypatch):

@@ -16,7 +16,15 @@ bit for bit with a one-batch run:
 - a lone last token (a prompt one token longer than a cached one);
 - a split just before the KV cache's padding boundary (256 cells);
 - decode steps, one token at a time (the KV of generated tokens, stored for the next turn);
-- 128-token aligned batches (the schedule of whole-chunk reuse).
+- 128-token aligned batches (the schedule of whole-chunk reuse);
+- on a prompt of 2,040 tokens (where the context holds it): a lone last token and decode steps
+  (long KV takes other kernels: flash attention splits a lone row's KV across threads from 512
+  cells on, and tiles change with the KV length);
+- several sequences decoded in one batch, one KV stream each (llama.cpp sequence ids,
+  `probe_batch.py`): what a server that batches concurrent requests computes, against each
+  sequence alone. The same with one unified KV cache is measured and recorded (`notes`), but
+  does not decide: EdgeKV runs one sequence per context, and a server that batches can choose
+  per-sequence streams.
 
 Where every schedule matches, reuse may end at any token and prefill runs in one batch, like a
 plain user of the engine, whose output EdgeKV then equals bit for bit. Where any differs, the
@@ -48,7 +56,14 @@ __all__ = ["ProbeResult", "Schedule", "load_or_probe", "measure_prefill", "probe
 log = logging.getLogger(__name__)
 
 PROBE_TOKENS = 280  # crosses a 128-token chunk boundary twice and the 256-cell KV padding
-PROBE_VERSION = 1  # bump when the schedules change: older records are then re-measured
+# the long prompt: 2,000+ tokens (issue 20) inside the default 2,048-token context, so four
+# ubatches of 512 and a KV far past the 512 cells where a lone row's attention is split
+LONG_PROBE_TOKENS = 2040
+PROBE_VERSION = 2  # bump when the schedules change: older records are then re-measured
+# environment switches that change which kernels the engine runs (ggml CPU backend; the patch
+# series in patches/llama.cpp adds the first two): part of the probe's key
+KERNEL_ENV = ("GGML_CPU_BATCH_INVARIANT", "GGML_CPU_USE_REF", "GGML_CPU_TILED_MM",
+              "GGML_CPU_TILED_MM_FORCE", "GGML_CPU_DISABLE_FUSION", "LLAMA_CPP_LIB_PATH")
 
 # A schedule: how the probe's tokens are fed to the engine. Each item is a batch length, or
 # ("inject", n, keep): extract positions [0, n) as a fragment, clear, inject its first `keep`.
@@ -73,6 +88,14 @@ def schedules(n: int) -> tuple[Schedule, ...]:
     )
 
 
+def long_schedules(n: int) -> tuple[Schedule, ...]:
+    """The schedules whose kernels change with a long KV, for a probe of `n` (2,000+) tokens."""
+    return (
+        Schedule(f"long {n}: lone last token", (n - 1, 1)),
+        Schedule(f"long {n}: 4 decode steps", (n - 4, 1, 1, 1, 1)),
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class ProbeResult:
     """The probe's answer for one engine build + model + CPU + settings."""
@@ -87,6 +110,10 @@ class ProbeResult:
     seconds: float
     measured_at: float
     version: int = PROBE_VERSION
+    long_tokens: int = 0  # the long prompt's length; 0 where the context could not hold it
+    sequences: int = 0  # sequences decoded in one batch; 0 where the engine has no such batch
+    # measured, recorded, not deciding (name, max |logit diff|, identical): the unified-KV batch
+    notes: tuple[tuple[str, float, bool], ...] = ()
 
     @property
     def granularity(self) -> str:
@@ -109,7 +136,11 @@ class ProbeResult:
                                  for a, b, c in d["results"]),  # type: ignore[attr-defined]
                    sensitivity=float(d["sensitivity"]),  # type: ignore[arg-type]
                    seconds=float(d["seconds"]), measured_at=float(d["measured_at"]),  # type: ignore[arg-type]
-                   version=int(d.get("version", 0)))  # type: ignore[call-overload]
+                   version=int(d.get("version", 0)),  # type: ignore[call-overload]
+                   long_tokens=int(d.get("long_tokens", 0)),  # type: ignore[call-overload]
+                   sequences=int(d.get("sequences", 0)),  # type: ignore[call-overload]
+                   notes=tuple((str(a), float(b), bool(c))
+                               for a, b, c in d.get("notes", ())))  # type: ignore[attr-defined]
 
 
 def _cpu_model() -> str:
@@ -128,12 +159,33 @@ def _cpu_model() -> str:
     return f"{platform.machine()} {name} [{hashlib.sha256(flags.encode()).hexdigest()[:12]}]"
 
 
+def _kernel_env() -> dict[str, str]:
+    return {k: os.environ[k] for k in KERNEL_ENV if k in os.environ}
+
+
+def _engine_libraries(adapter: KVAdapter) -> str:
+    """Which native libraries the engine loaded (name, size, mtime of each): two builds with
+    the same feature line (a patched and a stock one) must not share an answer."""
+    lib = getattr(adapter, "_lib", None)
+    folder = os.environ.get("LLAMA_CPP_LIB_PATH")
+    if not folder and lib is not None and getattr(lib, "__file__", None):
+        folder = str(Path(lib.__file__).parent / "lib")
+    if not folder or not Path(folder).is_dir():
+        return ""
+    files = sorted(Path(folder).glob("lib*.so*"))
+    return ";".join(f"{f.name}:{f.stat().st_size}:{int(f.stat().st_mtime)}" for f in files)
+
+
 def probe_key(adapter: KVAdapter) -> tuple[str, str]:
     """(digest, readable form) of everything the answer depends on."""
-    parts = {"model": adapter.fingerprint.digest, "build": adapter.build_info(),
-             "cpu": _cpu_model(), "probe": PROBE_VERSION}
+    env = _kernel_env()
+    parts: dict[str, object] = {"model": adapter.fingerprint.digest,
+                                "build": adapter.build_info(), "cpu": _cpu_model(),
+                                "probe": PROBE_VERSION}
+    parts.update({"env": env, "libs": _engine_libraries(adapter)})
     digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
-    readable = f"{adapter.fingerprint.engine} {adapter.build_info()} on {parts['cpu']}"
+    shown = "".join(f" {k}={v}" for k, v in env.items())
+    readable = f"{adapter.fingerprint.engine} {adapter.build_info()}{shown} on {parts['cpu']}"
     return digest, readable
 
 
@@ -170,13 +222,32 @@ def _run(adapter: KVAdapter, tokens: Sequence[int],
     return logits, np.asarray(frag.keys), np.asarray(frag.values)
 
 
-def probe_batch_invariance(adapter: KVAdapter, n_tokens: int = PROBE_TOKENS) -> ProbeResult:
-    """Run every schedule against one batch; the engine's context is left empty."""
+def _compare(adapter: KVAdapter, toks: Sequence[int],
+             plan: Sequence[Schedule]) -> list[tuple[str, float, bool]]:
+    """Each schedule of `plan` against `toks` in one batch: (name, max |logit diff|, same KV)."""
+    ref_logits, ref_k, ref_v = _run(adapter, toks, (len(toks),))
+    out = []
+    for s in plan:
+        logits, k, v = _run(adapter, toks, s.steps)
+        same_kv = bool(np.array_equal(k, ref_k) and np.array_equal(v, ref_v))
+        out.append((s.name, float(np.max(np.abs(logits - ref_logits))), same_kv))
+    return out
+
+
+def probe_batch_invariance(adapter: KVAdapter, n_tokens: int = PROBE_TOKENS,
+                           long_tokens: int = LONG_PROBE_TOKENS) -> ProbeResult:
+    """Run every schedule against one batch; the engine's context is left empty. The long
+    schedules run where the context holds `long_tokens` (+ its 4 decode steps' slack)."""
+    from .probe_batch import multi_sequence_diff, multi_sequence_prompts
+
     t0 = time.perf_counter()
     toks = probe_tokens(adapter, n_tokens)
     if len(toks) < 261:
         raise EdgeKVError(f"the probe needs at least 261 tokens, got {len(toks)}")
     n = len(toks)
+    n_long = long_tokens if 0 < long_tokens <= adapter.n_ctx - 8 else 0
+    sequences = 0
+    notes: list[tuple[str, float, bool]] = []
     try:
         ref_logits, ref_k, ref_v = _run(adapter, toks, (n,))
         # the probe can see a difference: one early token changed moves the logits (on a
@@ -192,12 +263,26 @@ def probe_batch_invariance(adapter: KVAdapter, n_tokens: int = PROBE_TOKENS) -> 
             diff = float(np.max(np.abs(logits - ref_logits)))
             same_kv = bool(np.array_equal(k, ref_k) and np.array_equal(v, ref_v))
             results.append((s.name, diff, same_kv))
+        if n_long:
+            long_toks = probe_tokens(adapter, n_long)
+            if len(long_toks) == n_long:
+                results += _compare(adapter, long_toks, long_schedules(n_long))
+            else:
+                n_long = 0
+        multi = multi_sequence_diff(adapter, toks, unified=False)
+        if multi is not None:
+            results.append(multi)
+            sequences = len(multi_sequence_prompts(toks))
+            unified = multi_sequence_diff(adapter, toks, unified=True)
+            if unified is not None:
+                notes.append(unified)
     finally:
         adapter.clear_kv_cache()
     key, readable = probe_key(adapter)
     invariant = sensitivity > 0 and all(d == 0.0 and same for _, d, same in results)
     return ProbeResult(invariant, key, readable, n, tuple(results), sensitivity,
-                       time.perf_counter() - t0, time.time())
+                       time.perf_counter() - t0, time.time(), long_tokens=n_long,
+                       sequences=sequences, notes=tuple(notes))
 
 
 _memo: dict[str, ProbeResult] = {}  # per process: several caches over one engine probe once

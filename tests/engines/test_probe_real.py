@@ -1,0 +1,54 @@
+"""The probe's new schedules on the real engine: several sequences in one llama_batch, and a
+prompt of 2,000+ tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from edgekv.engines.models import default_model_path
+
+from ..conftest import real_stack
+
+real_stack("real engine", "llama_cpp", check=default_model_path)
+
+from edgekv.engines import probe, probe_batch  # noqa: E402
+from edgekv.engines.llamacpp import LlamaCppAdapter  # noqa: E402
+
+pytestmark = pytest.mark.real
+
+
+@pytest.fixture(scope="module")
+def adapter():
+    a = LlamaCppAdapter(default_model_path(), n_ctx=2048)
+    yield a
+    a.close()
+
+
+def test_sequences_batched_together_are_compared_with_each_alone(adapter):
+    toks = probe.probe_tokens(adapter)
+    name, diff, same = probe_batch.multi_sequence_diff(adapter, toks, unified=False)
+    assert name.startswith("3 sequences") and "stream" in name and same == (diff == 0.0)
+    # the comparison can see a difference: a reference that fed another token at one decode
+    # step differs from the batched run
+    real_alone = probe_batch._alone
+
+    def other_token(a, prompt, steps):
+        return real_alone(a, prompt, steps[:-1] + [(steps[-1] + 1) % 1000])
+
+    try:
+        probe_batch._alone = other_token
+        _, moved, same_moved = probe_batch.multi_sequence_diff(adapter, toks, unified=False)
+    finally:
+        probe_batch._alone = real_alone
+    assert moved > 0 and not same_moved
+
+
+def test_the_probe_runs_a_long_prompt_and_the_batch_schedule(adapter):
+    res = probe.probe_batch_invariance(adapter)
+    names = [n for n, _, _ in res.results]
+    assert res.long_tokens == probe.LONG_PROBE_TOKENS >= 2000 and res.sequences == 3
+    assert f"long {res.long_tokens}: 4 decode steps" in names
+    assert any(n.startswith("3 sequences") for n in names)
+    assert len(names) == len(probe.schedules(res.tokens)) + 2 + 1
+    [(note, _, _)] = res.notes  # the unified-KV batch: recorded, not deciding
+    assert "unified KV" in note and note not in names
