@@ -1,0 +1,71 @@
+"""The llama.cpp patch series (patches/llama.cpp): it applies to the vendored tree, a patch that
+does not apply stops the build with the reason, and a second run is a no-op."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[2]
+SCRIPT = ROOT / "scripts/apply_patches.sh"
+PATCHES = ROOT / "patches/llama.cpp"
+VENDORED = ROOT / "build/src/llama_cpp_python-0.3.36/vendor/llama.cpp"
+
+
+def apply(src: Path, pdir: Path = PATCHES) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["sh", str(SCRIPT), str(src), str(pdir)], capture_output=True,
+                          text=True)
+
+
+def tree_copy(tmp_path: Path) -> Path:
+    """A source root holding the vendored ggml CPU backend (the only part the series edits)."""
+    if not (VENDORED / "ggml/src/ggml-cpu").is_dir():
+        pytest.skip("the llama-cpp-python sdist is not extracted (make llama-server does it)")
+    root = tmp_path / "llama_cpp_python"
+    dst = root / "vendor/llama.cpp/ggml/src/ggml-cpu"
+    shutil.copytree(VENDORED / "ggml/src/ggml-cpu", dst)
+    return root
+
+
+def test_every_patch_is_numbered_and_says_why():
+    patches = sorted(PATCHES.glob("*.patch"))
+    assert patches, "no patches in patches/llama.cpp"
+    for p in patches:
+        assert p.name[:4].isdigit() and p.name[4] == "-", p.name
+        head = p.read_text(encoding="utf-8").split("\n---\n", 1)[0]
+        assert "Why" in head and ("GGML_" in head or "LLAMA_" in head), p.name
+
+
+def test_the_series_applies_to_the_vendored_tree_once(tmp_path):
+    root = tree_copy(tmp_path)
+    first = apply(root)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.count("applied ") == len(list(PATCHES.glob("*.patch")))
+    cpu = (root / "vendor/llama.cpp/ggml/src/ggml-cpu/ggml-cpu.c").read_text()
+    assert 'getenv("GGML_CPU_BATCH_INVARIANT")' in cpu
+    again = apply(root)
+    assert again.returncode == 0 and "already carries" in again.stdout
+
+
+def test_a_patch_that_does_not_apply_stops_the_build_with_the_reason(tmp_path):
+    root = tree_copy(tmp_path)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "0001-bad.patch").write_text(
+        "Why: nothing\n---\n--- a/ggml/src/ggml-cpu/ggml-cpu.c\n"
+        "+++ b/ggml/src/ggml-cpu/ggml-cpu.c\n@@ -1,1 +1,1 @@\n"
+        "-this line is not in the file\n+nor is this\n")
+    res = apply(root, bad)
+    assert res.returncode != 0
+    assert "0001-bad.patch does not apply" in res.stderr and "refusing" in res.stderr
+    assert not (root / ".edgekv-patches").exists()
+
+
+def test_a_tree_patched_with_another_series_is_refused(tmp_path):
+    root = tree_copy(tmp_path)
+    (root / ".edgekv-patches").write_text("deadbeef  0001-other.patch\n")
+    res = apply(root)
+    assert res.returncode != 0 and "another patch series" in res.stderr
