@@ -14,7 +14,8 @@ LLAMA_CPU_SIG    := $(shell $(PYTHON) scripts/cpu_flags.py --signature)
 LLAMA_VERSION    := 0.3.36
 LLAMA_BUILT      := $(VENV)/.llama-cpp-build
 
-.PHONY: setup run lint test bench bench-serve llama-server clean
+.PHONY: setup run lint test bench bench-serve llama-server stock-lib stock-llama-cpp-python patched-src patched-lib \
+	quantize clean
 
 setup: $(STAMP)
 
@@ -62,24 +63,107 @@ bench: setup
 	HF_HUB_OFFLINE=1 $(BIN)/edgekv bench lookup --json docs/bench/lookup.json
 	HF_HUB_OFFLINE=1 $(BIN)/edgekv bench seed --requests 200 --json docs/bench/seed.json
 
-# llama.cpp's own server, for `edgekv bench serve`: built from the same llama-cpp-python sdist
-# (its vendored llama.cpp tree) with the same CPU flags; the web UI is left out so the build
-# needs no download. Build output stays under build/ (ignored by git).
-LLAMA_SRC    := build/src/llama_cpp_python-$(LLAMA_VERSION)/vendor/llama.cpp
-LLAMA_SERVER := build/llama-server/bin/llama-server
+# ---- llama.cpp: the vendored tree of the llama-cpp-python sdist, one download for every build
+# (EdgeKV's engine, the stock peers, the patched build). Build output stays under build/
+# (ignored by git).
+LLAMA_SDIST   := build/src/llama_cpp_python-$(LLAMA_VERSION).tar.gz
+LLAMA_SRC     := build/src/llama_cpp_python-$(LLAMA_VERSION)/vendor/llama.cpp
+LLAMA_PATCHES := $(sort $(wildcard patches/llama.cpp/[0-9][0-9][0-9][0-9]-*.patch))
+
+$(LLAMA_SDIST):
+	mkdir -p build/src
+	$(PYTHON) -m pip download -q --no-deps --no-binary :all: -d build/src \
+		"llama-cpp-python==$(LLAMA_VERSION)"
+
+$(LLAMA_SRC)/CMakeLists.txt: $(LLAMA_SDIST)
+	tar xzf $(LLAMA_SDIST) -C build/src
+	touch $@
+
+# The stock peers, built as their users build them: `cmake -B b && cmake --build b` on the
+# vendored tree with ggml's default options (GGML_NATIVE and llamafile at their defaults), no
+# patch and none of EdgeKV's flags. Built on the machine that runs the benchmark, at bench time,
+# never shipped. Only what an offline build needs is set: no web UI download, no tests or
+# examples; static libraries. llama-bench and llama-quantize come from the same build.
+STOCK_DIR      := build/llama-server
+LLAMA_SERVER   := $(STOCK_DIR)/bin/llama-server
+LLAMA_BENCH    := $(STOCK_DIR)/bin/llama-bench
+LLAMA_QUANTIZE := $(STOCK_DIR)/bin/llama-quantize
 
 llama-server: $(LLAMA_SERVER)
 
-$(LLAMA_SERVER): | $(STAMP)
-	mkdir -p build/src
-	test -d $(LLAMA_SRC) || { $(BIN)/python -m pip download -q --no-deps --no-binary :all: \
-		-d build/src "llama-cpp-python==$(LLAMA_VERSION)" && \
-		tar xzf build/src/llama_cpp_python-$(LLAMA_VERSION).tar.gz -C build/src; }
-	cmake -S $(LLAMA_SRC) -B build/llama-server -DCMAKE_BUILD_TYPE=Release \
-		-DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON \
-		-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF \
-		-DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF $(LLAMA_CMAKE_ARGS) >/dev/null
-	cmake --build build/llama-server -j2 --target llama-server >/dev/null
+$(LLAMA_SERVER): $(LLAMA_SRC)/CMakeLists.txt scripts/build_info.py
+	nice -n 10 cmake -S $(LLAMA_SRC) -B $(STOCK_DIR) -DBUILD_SHARED_LIBS=OFF \
+		-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+		-DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF >/dev/null
+	nice -n 10 cmake --build $(STOCK_DIR) -j2 --target llama-server llama-bench llama-quantize >/dev/null
+	$(PYTHON) scripts/build_info.py --kind stock --build-dir $(STOCK_DIR) --binary $(LLAMA_SERVER) \
+		--out $(STOCK_DIR)/build-info.json
+
+# "Plain llama-cpp-python as a user installs it": the wheel that `pip install
+# llama-cpp-python==$(LLAMA_VERSION)` builds with no CMAKE_ARGS (ggml's defaults), built here
+# once (build/wheels/stock, its CMake tree kept for build-info.json). It is installed into its
+# own venv (build/stock-venv, for peers that run as a server process) and its native libraries
+# are unpacked to build/stock-lib (for LLAMA_CPP_LIB_PATH: the Python side is the package .venv
+# has), so a benchmark runs it in a subprocess beside EdgeKV's build.
+STOCK_WHEELS := build/wheels/stock
+STOCK_LIB    := build/stock-lib
+STOCK_VENV   := build/stock-venv
+
+$(STOCK_WHEELS)/.built: $(LLAMA_SDIST) | $(STAMP)
+	rm -rf $(STOCK_WHEELS) && mkdir -p $(STOCK_WHEELS)
+	env -u CMAKE_ARGS nice -n 10 $(BIN)/python -m pip wheel -q --no-deps --no-cache-dir \
+		-C build-dir=$(STOCK_WHEELS)/cmake -w $(STOCK_WHEELS) $(LLAMA_SDIST)
+	touch $@
+
+stock-lib: $(STOCK_LIB)/libllama.so
+
+$(STOCK_LIB)/libllama.so: $(STOCK_WHEELS)/.built scripts/unpack_lib.py scripts/build_info.py
+	rm -rf $(STOCK_LIB)
+	$(BIN)/python scripts/unpack_lib.py $(STOCK_WHEELS) $(STOCK_LIB)
+	$(BIN)/python scripts/build_info.py --kind stock --build-dir $(STOCK_WHEELS)/cmake \
+		--lib $(STOCK_LIB) --out $(STOCK_LIB)/build-info.json
+
+stock-llama-cpp-python: $(STOCK_VENV)/.stock-llama-cpp-python stock-lib
+
+$(STOCK_VENV)/.stock-llama-cpp-python: $(STOCK_WHEELS)/.built $(STOCK_LIB)/libllama.so
+	rm -rf $(STOCK_VENV) && $(PYTHON) -m venv $(STOCK_VENV)
+	@# [server]: `python -m llama_cpp.server`, the peer `bench serve` runs on this wheel
+	$(STOCK_VENV)/bin/python -m pip install -q "$$(ls $(STOCK_WHEELS)/llama_cpp_python-*.whl)[server]"
+	cp $(STOCK_LIB)/build-info.json $(STOCK_VENV)/build-info.json
+	touch $@
+
+# EdgeKV's patched engine: the sdist with patches/llama.cpp/*.patch applied (each checked with
+# `patch --dry-run` first: one that does not apply stops the build with the reason), built with
+# this CPU's flags (scripts/cpu_flags.py --patched: llamafile on, its batch-invariant mode being
+# one of the patches). The wheel goes to build/wheels/patched, its libraries to build/patched-lib
+# (for LLAMA_CPP_LIB_PATH). The kernels switch on at run time with GGML_CPU_BATCH_INVARIANT=1.
+PATCHED_ROOT    := build/patched/llama_cpp_python-$(LLAMA_VERSION)
+PATCHED_WHEELS  := build/wheels/patched
+PATCHED_LIB     := build/patched-lib
+PATCHED_CMAKE_ARGS = $(shell $(PYTHON) scripts/cpu_flags.py --patched)
+
+patched-src: $(PATCHED_ROOT)/.edgekv-patches
+
+$(PATCHED_ROOT)/.edgekv-patches: $(LLAMA_SDIST) $(LLAMA_PATCHES) scripts/apply_patches.sh
+	rm -rf build/patched && mkdir -p build/patched
+	tar xzf $(LLAMA_SDIST) -C build/patched
+	sh scripts/apply_patches.sh $(PATCHED_ROOT) patches/llama.cpp
+
+patched-lib: $(PATCHED_LIB)/libllama.so
+
+$(PATCHED_LIB)/libllama.so: $(PATCHED_ROOT)/.edgekv-patches scripts/cpu_flags.py scripts/build_info.py | $(STAMP)
+	rm -rf $(PATCHED_WHEELS) $(PATCHED_LIB) && mkdir -p $(PATCHED_WHEELS) $(PATCHED_LIB)
+	CMAKE_ARGS="$(PATCHED_CMAKE_ARGS)" nice -n 10 $(BIN)/python -m pip wheel -q --no-deps \
+		--no-cache-dir -C build-dir=$(PATCHED_WHEELS)/cmake -w $(PATCHED_WHEELS) $(PATCHED_ROOT)
+	$(BIN)/python scripts/unpack_lib.py $(PATCHED_WHEELS) $(PATCHED_LIB)
+	$(BIN)/python scripts/build_info.py --kind patched --build-dir $(PATCHED_WHEELS)/cmake \
+		--lib $(PATCHED_LIB) --patches $(LLAMA_PATCHES) --out $(PATCHED_LIB)/build-info.json
+
+# SmolLM2 in two more weight types (Q8_0, Q4_0), made with the stock build's llama-quantize
+# from the packaged Q4_1 (--allow-requantize: no F16 original ships), into the cache directory
+# (never committed). `edgekv bench kernels` makes them itself when missing.
+quantize: $(LLAMA_QUANTIZE) | $(STAMP)
+	$(BIN)/python scripts/quantize_models.py --llama-quantize $(LLAMA_QUANTIZE)
 
 bench-serve: $(LLAMA_SERVER)
 	HF_HUB_OFFLINE=1 $(BIN)/edgekv bench serve --llama-server $(LLAMA_SERVER) \

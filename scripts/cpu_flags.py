@@ -17,8 +17,13 @@ cold prefill costs 243 vs 281 tok/s at 512 tokens (-13%), decode is unchanged. S
 EDGEKV_LLAMAFILE=ON to trade exact any-token reuse (the probe then falls back to whole
 chunks) for that prefill speed.
 
+The patched build (`make patched-lib`, patches/llama.cpp/) keeps llamafile on: its
+batch-invariant mode (GGML_CPU_BATCH_INVARIANT=1, one of the patches) gives single tokens the
+same tinyBLAS kernels as batches, so the speed of llamafile no longer costs exactness there.
+
 Usage: python scripts/cpu_flags.py            -> "-DGGML_NATIVE=OFF -DGGML_AVX2=ON ..."
        python scripts/cpu_flags.py --signature -> a short name of the flag set (for the stamp)
+       python scripts/cpu_flags.py --patched [--signature] -> the same for the patched build
 """
 
 from __future__ import annotations
@@ -45,8 +50,9 @@ X86_FEATURES: tuple[tuple[tuple[str, ...], str], ...] = (
 ALWAYS_OFF = ("GGML_NATIVE", "GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16")
 
 
-def llamafile_arg() -> str:
-    on = os.environ.get("EDGEKV_LLAMAFILE", "OFF").strip().upper() in ("1", "ON", "TRUE", "YES")
+def llamafile_arg(patched: bool = False) -> str:
+    default = "ON" if patched else "OFF"
+    on = os.environ.get("EDGEKV_LLAMAFILE", default).strip().upper() in ("1", "ON", "TRUE", "YES")
     return f"-DGGML_LLAMAFILE={'ON' if on else 'OFF'}"
 
 
@@ -70,6 +76,9 @@ def cmake_args(flags: set[str]) -> list[str]:
 
 
 def main() -> int:
+    argv = sys.argv[1:]
+    patched = "--patched" in argv
+    argv = [a for a in argv if a != "--patched"]
     if platform.machine() not in ("x86_64", "AMD64"):
         args = ["-DGGML_NATIVE=OFF"]  # other architectures: ggml's portable defaults
     else:
@@ -78,11 +87,13 @@ def main() -> int:
                 args = cmake_args(cpu_flags(f.read()))
         except OSError:
             args = ["-DGGML_NATIVE=OFF"]
-    args.append(llamafile_arg())
-    if sys.argv[1:] == ["--signature"]:
+    args.append(llamafile_arg(patched))
+    if argv == ["--signature"]:
         on = [a[len("-DGGML_"):-len("=ON")].lower() for a in args if a.endswith("=ON")]
         if "-DGGML_LLAMAFILE=OFF" in args:
             on.append("nollamafile")
+        if patched:
+            on.append("patched")
         print("-".join([platform.machine()] + on))
     else:
         print(" ".join(args))
