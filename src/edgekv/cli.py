@@ -156,6 +156,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     res, text = _run_bench(args)
     print(text)
     print(write_bench_report(args.name, res, text, args.json))
+    if res.get("failed_rows"):  # e.g. a fault row whose harness crashed: not a pass
+        print(f"edgekv bench {args.name}: {len(res['failed_rows'])} row(s) failed: "
+              f"{', '.join(map(str, res['failed_rows']))}", file=sys.stderr)
+        return 1
     return 0
 
 
