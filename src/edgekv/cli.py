@@ -147,7 +147,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
 
 
 # benchmarks whose module in bench/ parses its own options from the shared `bench` flags
-PLUGGED_BENCHES = ("faults", "fuzz", "rag", "pressure")
+PLUGGED_BENCHES = ("faults", "fuzz", "rag", "kernels", "pressure")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -434,6 +434,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "processes, load)")
     b.add_argument("--kills", type=int, help="faults: kill -9 loop length (default 50)")
     b.add_argument("--budgets", help="rag: recompute budgets, comma-separated")
+    b.add_argument("--models", help="kernels: comma-separated models (default: smollm2-q4_1,"
+                   "smollm2-q8_0,smollm2-q4_0,gemma3-q4_k_m)")
+    b.add_argument("--builds", help="kernels: comma-separated builds (default: stock,stock_fa,"
+                   "edgekv_before,edgekv)")
+    b.add_argument("--prompts", type=int, help="kernels: prompts for the first divergence "
+                   "(default 20)")
     b.add_argument("--runs", type=int, default=5)
     b.add_argument("--context-tokens", type=int, default=512)
     b.add_argument("--sweep", default="300,517,777,1000",

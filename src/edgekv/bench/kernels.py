@@ -1,0 +1,265 @@
+"""`edgekv bench kernels`: is exact reuse paid for in speed? Stock llama.cpp beside EdgeKV's
+builds, per model and weight type (issue 20).
+
+Rows (JSON contract, keys stable): `{"rows": [{"model", "weights", "build", "flash_attn",
+"prefill_tok_s_512", "prefill_tok_s_2048", "decode_tok_s", "probe_identical", "probe_total",
+"first_divergence_mean"}]}`, `build` one of:
+
+- `stock`: llama-cpp-python as a plain `pip install` builds it (ggml's defaults: native,
+  llamafile on; `make stock-lib`), flash attention off, its llama-bench beside it;
+- `stock_fa`: the same with flash attention on;
+- `edgekv_before`: EdgeKV's build before the patch series (this CPU's flags, llamafile off),
+  flash attention off;
+- `edgekv`: the patched build (`make patched-lib`, patches/llama.cpp) with its
+  batch-invariant kernels on (GGML_CPU_BATCH_INVARIANT=1) and flash attention on.
+
+Every build runs in its own process (`kernels_worker.py`, LLAMA_CPP_LIB_PATH set to the build's
+libraries), so no two builds' kernels share a process. The contract's speeds come from that one
+harness for every row (llama-cpp-python, one batch per prompt, as a plain user runs it); the
+stock rows (and the patched one, where its llama-bench is built) also carry llama-bench's own
+figures (`llama_bench_*`). Rounds are interleaved (every row once per round, the order rotated)
+and each figure is the median over the rounds with its [min, max] spread beside it. The probe
+and the divergence are deterministic and run once per row.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import EdgeKVError
+
+__all__ = ["BUILDS", "Build", "ensure_quantized", "kernels_table", "run_cli",
+           "run_kernels_bench"]
+
+BUILDS = ("stock", "stock_fa", "edgekv_before", "edgekv")
+# SmolLM2 requantized from the packaged Q4_1 (no F16 original ships): other kernels, not other
+# model quality, is what these rows compare
+REQUANT = ("Q8_0", "Q4_0")
+MODELS = ("smollm2-q4_1", "smollm2-q8_0", "smollm2-q4_0", "gemma3-q4_k_m")
+
+
+@dataclass(frozen=True, slots=True)
+class Build:
+    name: str
+    lib: Path | None  # LLAMA_CPP_LIB_PATH; None: the .venv's own llama-cpp-python libraries
+    flash_attn: bool
+    env: dict[str, str] = field(default_factory=dict)
+    llama_bench: Path | None = None  # this build's llama-bench, where there is one
+
+
+def default_builds(root: Path = Path(".")) -> dict[str, Build]:
+    """Where `make` puts each build (build/stock-lib, build/edgekv-before-lib,
+    build/patched-lib, build/llama-server/bin/llama-bench, build/patched-tools)."""
+    stock_lib, bench = root / "build/stock-lib", root / "build/llama-server/bin/llama-bench"
+    patched_bench = root / "build/patched-tools/bin/llama-bench"
+    inv = {"GGML_CPU_BATCH_INVARIANT": "1"}
+    return {
+        "stock": Build("stock", stock_lib, False, {}, bench),
+        "stock_fa": Build("stock_fa", stock_lib, True, {}, bench),
+        "edgekv_before": Build("edgekv_before", root / "build/edgekv-before-lib", False),
+        "edgekv": Build("edgekv", root / "build/patched-lib", True, inv,
+                        patched_bench if patched_bench.exists() else None),
+    }
+
+
+def ensure_quantized(cache_dir: Path, llama_quantize: Path, source: Path) -> dict[str, Path]:
+    """SmolLM2 in Q8_0 and Q4_0 in `<cache dir>/models/`, made from `source` (the packaged
+    Q4_1) with llama.cpp's own llama-quantize (`--allow-requantize`) the first time."""
+    out = {}
+    for qtype in REQUANT:
+        dst = Path(cache_dir) / "models" / f"{source.stem.rsplit('.', 1)[0]}.{qtype}-from-Q4_1.gguf"
+        if not dst.exists():
+            if not llama_quantize.is_file():
+                raise EdgeKVError(f"{llama_quantize} is missing: run `make llama-server` "
+                                  "(it builds llama-quantize) or pass --llama-quantize")
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            tmp = dst.with_suffix(".tmp")
+            res = subprocess.run([str(llama_quantize), "--allow-requantize", str(source),
+                                  str(tmp), qtype], capture_output=True, text=True)
+            if res.returncode != 0:
+                raise EdgeKVError(f"llama-quantize {qtype} failed: {res.stderr[-400:]}")
+            os.replace(tmp, dst)
+        out[qtype] = dst
+    return out
+
+
+def model_paths(cache_dir: Path, llama_quantize: Path,
+                names: Sequence[str]) -> dict[str, tuple[Path, str]]:
+    """name -> (GGUF path, weight type label)."""
+    from ..engines.models import resolve_model
+
+    smol = resolve_model("smollm2", cache_dir)
+    out: dict[str, tuple[Path, str]] = {}
+    quant = ensure_quantized(cache_dir, llama_quantize, smol) if any(
+        n in ("smollm2-q8_0", "smollm2-q4_0") for n in names) else {}
+    for n in names:
+        if n == "smollm2-q4_1":
+            out[n] = (smol, "Q4_1")
+        elif n == "smollm2-q8_0":
+            out[n] = (quant["Q8_0"], "Q8_0 (requantized from Q4_1)")
+        elif n == "smollm2-q4_0":
+            out[n] = (quant["Q4_0"], "Q4_0 (requantized from Q4_1)")
+        elif n == "gemma3-q4_k_m":
+            out[n] = (resolve_model("gemma3", cache_dir), "Q4_K_M")
+        else:
+            raise EdgeKVError(f"unknown model {n!r}; pick from {', '.join(MODELS)}")
+    return out
+
+
+def _worker(build: Build, spec: dict[str, Any], timeout: float = 1800) -> dict[str, Any]:
+    env = {**os.environ, **build.env, "HF_HUB_OFFLINE": "1"}
+    env.pop("LLAMA_CPP_LIB_PATH", None)
+    if build.lib is not None:
+        env["LLAMA_CPP_LIB_PATH"] = str(build.lib.resolve())
+    res = subprocess.run([sys.executable, "-m", "edgekv.bench.kernels_worker", json.dumps(spec)],
+                         capture_output=True, text=True, env=env, timeout=timeout)
+    if res.returncode != 0 or not res.stdout.strip():
+        raise EdgeKVError(f"{build.name} worker failed (rc {res.returncode}): "
+                          f"{res.stderr.strip()[-600:]}")
+    return dict(json.loads(res.stdout.strip().splitlines()[-1]))
+
+
+def _llama_bench(build: Build, model: Path, threads: int) -> dict[str, float]:
+    """One llama-bench run (pp512, pp2048, tg32; one repetition: the rounds repeat it)."""
+    assert build.llama_bench is not None
+    cmd = [str(build.llama_bench), "-m", str(model), "-p", "512,2048", "-n", "32", "-r", "1",
+           "-t", str(threads), "-fa", "1" if build.flash_attn else "0", "-o", "json"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
+                         env={**os.environ, **build.env})
+    if res.returncode != 0:
+        raise EdgeKVError(f"llama-bench failed for {build.name}: {res.stderr.strip()[-400:]}")
+    out = {}
+    for r in json.loads(res.stdout):
+        key = f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}"
+        out[key] = float(r["avg_ts"])
+    return out
+
+
+def _stat(values: Sequence[float], digits: int = 1) -> tuple[float | None, list[float] | None]:
+    if not values:
+        return None, None
+    return round(statistics.median(values), digits), [round(min(values), digits),
+                                                       round(max(values), digits)]
+
+
+def run_kernels_bench(models: Sequence[str] = MODELS, builds: Sequence[str] = BUILDS,
+                      runs: int = 5, prompts: int = 20, threads: int | None = None,
+                      cache_dir: Path | None = None, root: Path = Path("."),
+                      llama_quantize: Path | None = None,
+                      progress: Any = None) -> dict[str, Any]:
+    from ..config import default_cache_dir
+    from .report import environment
+
+    cache_dir = Path(cache_dir or default_cache_dir())
+    threads = threads or os.cpu_count() or 1
+    specs = default_builds(root)
+    chosen = [specs[b] for b in builds]
+    for b in chosen:
+        if b.lib is not None and not (b.lib / "libllama.so").exists():
+            raise EdgeKVError(f"build {b.name}: {b.lib}/libllama.so is missing (see the "
+                              "Makefile: stock-lib, edgekv-before-lib, patched-lib)")
+    paths = model_paths(cache_dir, llama_quantize or root / "build/llama-server/bin/llama-quantize",
+                        models)
+    cells = [(m, b) for m in models for b in chosen]
+    speed: dict[tuple[str, str], list[dict[str, float]]] = {(m, b.name): [] for m, b in cells}
+    bench: dict[tuple[str, str], list[dict[str, float]]] = {(m, b.name): [] for m, b in cells}
+    quality: dict[tuple[str, str], dict[str, Any]] = {}
+    t0 = time.time()
+    for rnd in range(runs):
+        order = cells[rnd % len(cells):] + cells[: rnd % len(cells)]  # rotate: interleaved
+        for i, (m, b) in enumerate(order):
+            if progress:
+                progress(f"round {rnd + 1}/{runs}: {m} {b.name} ({i + 1}/{len(order)})")
+            tasks = ["speed"] + (["probe", "divergence"] if rnd == 0 else [])
+            spec = {"model": str(paths[m][0]), "flash_attn": b.flash_attn, "threads": threads,
+                    "tasks": tasks, "prompts": prompts}
+            r = _worker(b, spec)
+            speed[(m, b.name)].append(r)
+            if rnd == 0:
+                quality[(m, b.name)] = {k: r[k] for k in ("probe", "first_divergence",
+                                                          "build_info")}
+            if b.llama_bench is not None:
+                bench[(m, b.name)].append(_llama_bench(b, paths[m][0], threads))
+    rows = []
+    for m, b in cells:
+        s, q = speed[(m, b.name)], quality[(m, b.name)]
+        p512, p512s = _stat([512 / x["prefill_512_s"] for x in s])
+        p2k, p2ks = _stat([2048 / x["prefill_2048_s"] for x in s])
+        dec, decs = _stat([32 / x["decode_s"] for x in s])
+        div = q["first_divergence"]
+        row: dict[str, Any] = {
+            "model": m, "weights": paths[m][1], "build": b.name, "flash_attn": b.flash_attn,
+            "prefill_tok_s_512": p512, "prefill_tok_s_2048": p2k, "decode_tok_s": dec,
+            "probe_identical": q["probe"]["identical"], "probe_total": q["probe"]["total"],
+            "first_divergence_mean": round(sum(div) / len(div), 2),
+            "prefill_tok_s_512_spread": p512s, "prefill_tok_s_2048_spread": p2ks,
+            "decode_tok_s_spread": decs, "first_divergence": div,
+            "probe_failed": q["probe"]["failed"], "probe_seconds": round(q["probe"]["seconds"], 1),
+            "speed_source": "llama-cpp-python (kernels_worker)", "runs": len(s),
+            "lib": str(b.lib) if b.lib else ".venv", "env": b.env, "build_info": q["build_info"],
+        }
+        lb = bench[(m, b.name)]
+        for key in ("pp512", "pp2048", "tg32"):
+            row[f"llama_bench_{key}"], row[f"llama_bench_{key}_spread"] = _stat(
+                [x[key] for x in lb if key in x])
+        rows.append(row)
+    return {"rows": rows, "runs": runs, "prompts": prompts, "threads": threads,
+            "models": list(models), "builds": list(builds), "seconds": round(time.time() - t0),
+            "environment": environment()}
+
+
+def kernels_table(res: dict[str, Any]) -> str:
+    from .report import table
+
+    head = ["model", "weights", "build", "FA", "prefill 512 tok/s", "prefill 2048 tok/s",
+            "decode tok/s", "llama-bench pp512 / pp2048 / tg32", "probe", "first divergence"]
+
+    def fmt(v: Any, spread: Any) -> str:
+        return "-" if v is None else f"{v:g} ({spread[0]:g}-{spread[1]:g})"
+
+    body = []
+    for r in res["rows"]:
+        lb = " / ".join("-" if r[f"llama_bench_{k}"] is None else f"{r[f'llama_bench_{k}']:g}"
+                        for k in ("pp512", "pp2048", "tg32"))
+        body.append([r["model"], r["weights"], r["build"], "on" if r["flash_attn"] else "off",
+                     fmt(r["prefill_tok_s_512"], r["prefill_tok_s_512_spread"]),
+                     fmt(r["prefill_tok_s_2048"], r["prefill_tok_s_2048_spread"]),
+                     fmt(r["decode_tok_s"], r["decode_tok_s_spread"]), lb,
+                     f"{r['probe_identical']}/{r['probe_total']}",
+                     f"{r['first_divergence_mean']:g}"])
+    note = (f"Medians over {res['runs']} interleaved rounds (min-max in brackets), "
+            f"{res['threads']} threads; first divergence: mean over {res['prompts']} prompts of "
+            "the first of 64 greedy tokens that differs from the one-batch run (64 = none).")
+    if res["runs"] < 5 or res["prompts"] < 20 or len(res["models"]) < len(MODELS):
+        note += (" REDUCED RUN: fewer rounds, prompts or models than the full matrix "
+                 f"(runs {res['runs']}, prompts {res['prompts']}, models "
+                 f"{', '.join(res['models'])}).")
+    return table(head, body) + "\n\n" + note
+
+
+def run_cli(args: Any) -> tuple[dict[str, Any], str]:
+    """`edgekv bench kernels`: --models, --builds (default all), --runs, --prompts, --threads."""
+    models = tuple(x for x in (getattr(args, "models", None) or ",".join(MODELS)).split(",") if x)
+    builds = tuple(x for x in (getattr(args, "builds", None) or ",".join(BUILDS)).split(",") if x)
+    bad = [b for b in builds if b not in BUILDS]
+    if bad:
+        raise EdgeKVError(f"unknown build(s) {', '.join(bad)}; pick from {', '.join(BUILDS)}")
+    cache_dir = Path(args.cache_dir) if getattr(args, "cache_dir", None) else None
+
+    def progress(msg: str) -> None:
+        print(f"\r  {msg:<70}", end="", file=sys.stderr, flush=True)
+
+    res = run_kernels_bench(models, builds, runs=args.runs,
+                            prompts=getattr(args, "prompts", None) or 20,
+                            threads=args.threads, cache_dir=cache_dir, progress=progress)
+    print(file=sys.stderr)
+    return res, kernels_table(res)

@@ -1,0 +1,51 @@
+"""`edgekv bench kernels`: its pieces without the builds (the real run writes
+docs/bench/kernels.json)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from edgekv.bench import kernels, kernels_worker
+from edgekv.engines.fake import FakeAdapter
+from edgekv.errors import EdgeKVError
+
+
+def test_first_divergence_is_64_on_an_invariant_engine_and_earlier_on_a_variant_one():
+    prompt = kernels_worker.divergence_prompts(1)[0]
+    assert kernels_worker.first_divergence(FakeAdapter(), prompt) == 64
+    assert kernels_worker.first_divergence(FakeAdapter(batch_variant=True), prompt) < 64
+
+
+def test_divergence_prompts_are_distinct_and_deterministic():
+    a, b = kernels_worker.divergence_prompts(20), kernels_worker.divergence_prompts(20)
+    assert a == b and len(set(a)) == 20
+
+
+def test_unknown_builds_and_missing_tools_are_refused(tmp_path):
+    args = SimpleNamespace(models="smollm2-q4_1", builds="stock,nightly", runs=1, prompts=1,
+                           threads=1, cache_dir=str(tmp_path))
+    with pytest.raises(EdgeKVError, match="nightly"):
+        kernels.run_cli(args)
+    with pytest.raises(EdgeKVError, match="llama-quantize"):
+        kernels.ensure_quantized(tmp_path, tmp_path / "no-such-llama-quantize",
+                                 tmp_path / "model.Q4_1.gguf")
+
+
+def test_a_build_whose_libraries_are_missing_is_named(tmp_path):
+    with pytest.raises(EdgeKVError, match="stock-lib"):
+        kernels.run_kernels_bench(models=("smollm2-q4_1",), builds=("stock",), runs=1,
+                                  prompts=1, cache_dir=tmp_path, root=tmp_path)
+
+
+def test_the_table_marks_a_reduced_run():
+    row = {"model": "m", "weights": "Q4_1", "build": "edgekv", "flash_attn": True,
+           "prefill_tok_s_512": 300.0, "prefill_tok_s_512_spread": [290.0, 310.0],
+           "prefill_tok_s_2048": 250.0, "prefill_tok_s_2048_spread": [240.0, 260.0],
+           "decode_tok_s": 100.0, "decode_tok_s_spread": [90.0, 110.0],
+           "llama_bench_pp512": None, "llama_bench_pp2048": None, "llama_bench_tg32": None,
+           "probe_identical": 9, "probe_total": 9, "first_divergence_mean": 64.0}
+    res = {"rows": [row], "runs": 5, "prompts": 4, "threads": 2, "models": ["m"]}
+    text = kernels.kernels_table(res)
+    assert "REDUCED RUN" in text and "9/9" in text and "300 (290-310)" in text
