@@ -206,7 +206,8 @@ def _run_bench(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
                                   max_tokens=args.max_tokens or 48, n_ctx=args.n_ctx,
                                   seed=args.seed, servers=servers, workdir=Path(tmp),
                                   llama_server=_llama_server(args.llama_server),
-                                  stock_python=_stock_python(args.stock_python))
+                                  stock_python=_stock_python(args.stock_python),
+                                  threads=args.threads)
         return res, serve_table(res)
     if args.name == "seed":
         from .bench.plots import seed_table

@@ -7,13 +7,13 @@ from pathlib import Path
 
 from edgekv.bench.serve import SERVERS, Answer, Server, _summary, resolved_settings, server_command
 
-# lines as llama-server (llama.cpp b6xxx, the vendored tree) prints them
+# lines as the vendored tree's llama-server prints them at -lv 4
 LLAMA_SERVER_LOG = """\
 system_info: n_threads = 2 (n_threads_batch = 2) / 2 | CPU : SSE3 = 1 | AVX2 = 1 | LLAMAFILE = 1 |
 llama_context: n_ctx         = 2048
-llama_context: flash_attn    = auto
-llama_context: Flash Attention was auto, set to enabled
-srv    load_model: initializing slots, n_slots = 4
+llama_context: flash_attn            = auto
+resolve_fused_ops: Flash Attention enabled
+srv    load_model: initializing, n_slots = 4, n_ctx_slot = 2048, kv_unified = 'true'
 srv    load_model: prompt cache is enabled, size limit: 8192 MiB
 """
 
@@ -49,6 +49,8 @@ def test_settings_come_from_the_servers_own_log():
     assert got["threads"] == "2 (n_threads_batch = 2)"
     assert "LLAMAFILE = 1" in str(got["system_info"])
     assert resolved_settings("flash_attn = off\n")["flash_attn"] == "off"
+    assert resolved_settings("flash_attn = auto\nx: Flash Attention not supported, set to "
+                             "disabled\n")["flash_attn"] == "disabled"
     assert resolved_settings("")["n_slots"] is None  # not in the log: not made up
 
 

@@ -143,8 +143,9 @@ def server_command(name: str, *, model: str, n_ctx: int, threads: int, root: Pat
                 "--cache", "true" if cache else "false"], "/v1/models"
     if llama_server is None:
         return None
+    # -lv 4: log verbosity only (no setting changes), so that its log states what it resolved
     cmd = [str(llama_server), "-m", model, "-c", str(n_ctx), "-t", str(threads), "-tb",
-           str(threads), "--host", "127.0.0.1", "--port", "{port}", "--no-webui"]
+           str(threads), "--host", "127.0.0.1", "--port", "{port}", "--no-webui", "-lv", "4"]
     if not cache:
         cmd.append("--no-cache-prompt")
     if name == "llama_server_reuse":
@@ -156,7 +157,8 @@ def server_command(name: str, *, model: str, n_ctx: int, threads: int, root: Pat
 
 # what each server's own log says it resolved to (llama.cpp's log lines, whoever prints them)
 _SETTINGS = {
-    "flash_attn": re.compile(r"Flash Attention was \w+, set to (\w+)|flash_attn\s*=\s*(\w+)"),
+    "flash_attn": re.compile(r"Flash Attention (enabled)|Flash Attention not supported, set to "
+                             r"(disabled)|flash_attn\s*=\s*(\w+)"),
     "n_slots": re.compile(r"n_slots\s*=\s*(\d+)"),
     "prompt_cache": re.compile(r"prompt cache is (enabled, size limit: [^\n]+|disabled)"),
     "threads": re.compile(r"n_threads\s*=\s*(\d+ \(n_threads_batch\s*=\s*\d+\))"),
@@ -168,12 +170,14 @@ _SETTINGS = {
 
 def resolved_settings(log: str) -> dict[str, str | None]:
     """The settings a server's log reports: the last value of each (None: not in its log).
-    Flash attention's resolved value ("set to enabled") wins over the requested one (auto)."""
+    Flash attention's resolved value ("Flash Attention enabled") wins over the requested one
+    (auto)."""
     out: dict[str, str | None] = {}
     for key, pattern in _SETTINGS.items():
         found = [next(g for g in m.groups() if g is not None) for m in pattern.finditer(log)]
-        if key == "flash_attn":
-            told = [m.group(1) for m in pattern.finditer(log) if m.group(1)]
+        if key == "flash_attn":  # "auto" resolved at context creation wins
+            told = [m.group(1) or m.group(2) for m in pattern.finditer(log)
+                    if m.group(1) or m.group(2)]
             found = told or found
         out[key] = found[-1].strip() if found else None
     return out
@@ -275,7 +279,8 @@ def run_serve_bench(*, model: str | None = None, requests: int = 40, users: int 
                     max_tokens: int = 48, n_ctx: int = 2048, seed: int = 0,
                     restart_at: int | None = None, servers: tuple[str, ...] | None = None,
                     llama_server: Path | None = None, stock_python: Path | None = None,
-                    workdir: Path, progress: bool = True) -> dict[str, Any]:
+                    workdir: Path, threads: int | None = None,
+                    progress: bool = True) -> dict[str, Any]:
     import llama_cpp
     import openai
 
@@ -284,7 +289,7 @@ def run_serve_bench(*, model: str | None = None, requests: int = 40, users: int 
     from .report import environment
 
     path = str(resolve_model(model))
-    threads = os.cpu_count() or 1
+    threads = threads or os.cpu_count() or 1  # every server gets the same
     default = [n for n in SERVERS if not n.startswith("edgekv_onnx")]  # onnx: on request
     wanted = default if servers is None else list(servers)
     # each wanted server's own cache-off run and the plain reference always run
