@@ -112,7 +112,7 @@ STOCK_VENV   := build/stock-venv
 $(STOCK_WHEELS)/.built: $(LLAMA_SDIST) | $(STAMP)
 	rm -rf $(STOCK_WHEELS) && mkdir -p $(STOCK_WHEELS)
 	env -u CMAKE_ARGS nice -n 10 $(BIN)/python -m pip wheel -q --no-deps --no-cache-dir \
-		-C build-dir=$(STOCK_WHEELS)/cmake -w $(STOCK_WHEELS) $(LLAMA_SDIST)
+		-C build-dir=$(CURDIR)/$(STOCK_WHEELS)/cmake -w $(STOCK_WHEELS) $(LLAMA_SDIST)
 	touch $@
 
 stock-lib: $(STOCK_LIB)/libllama.so
@@ -154,7 +154,7 @@ patched-lib: $(PATCHED_LIB)/libllama.so
 $(PATCHED_LIB)/libllama.so: $(PATCHED_ROOT)/.edgekv-patches scripts/cpu_flags.py scripts/build_info.py | $(STAMP)
 	rm -rf $(PATCHED_WHEELS) $(PATCHED_LIB) && mkdir -p $(PATCHED_WHEELS) $(PATCHED_LIB)
 	CMAKE_ARGS="$(PATCHED_CMAKE_ARGS)" nice -n 10 $(BIN)/python -m pip wheel -q --no-deps \
-		--no-cache-dir -C build-dir=$(PATCHED_WHEELS)/cmake -w $(PATCHED_WHEELS) $(PATCHED_ROOT)
+		--no-cache-dir -C build-dir=$(CURDIR)/$(PATCHED_WHEELS)/cmake -w $(PATCHED_WHEELS) $(PATCHED_ROOT)
 	$(BIN)/python scripts/unpack_lib.py $(PATCHED_WHEELS) $(PATCHED_LIB)
 	$(BIN)/python scripts/build_info.py --kind patched --build-dir $(PATCHED_WHEELS)/cmake \
 		--lib $(PATCHED_LIB) --patches $(LLAMA_PATCHES) --out $(PATCHED_LIB)/build-info.json

@@ -71,12 +71,14 @@ def system_info_from_binary(binary: Path) -> str | None:
     """llama-server prints ggml's feature line at start-up, before it loads a model: started
     on a model that does not exist, it prints the line and exits."""
     try:
-        res = subprocess.run([str(binary), "-m", "/nonexistent.gguf", "--port", "0", "-t", "1"],
+        res = subprocess.run([str(binary), "-m", "/nonexistent.gguf", "--port", "0", "-t", "1",
+                              "-lv", "4"],  # the line is logged at trace level
                              capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired):
         return None
     for line in (res.stdout + res.stderr).splitlines():
         if "system_info" in line or "system info" in line:
+            # "... system_info: n_threads = 1 (...) / 2 | CPU : SSE3 = 1 | ..."
             return line.split("|", 1)[1].strip() if "|" in line else line.strip()
     return None
 
