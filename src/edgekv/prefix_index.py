@@ -227,11 +227,13 @@ class PrefixIndex:
         (it would orphan it). `done()`: stop as soon as it says so (the tier's own count)."""
         freed = 0
         with self._lock:
-            heap = [(n.last_access, id(n), n) for n in self._nodes.values()
+            # least recently used first; of a path touched at once, the deepest first (the
+            # tail, as vLLM frees a request's blocks), then by key: the same order every run
+            heap = [(n.last_access, -n.end, n.key, n) for n in self._nodes.values()
                     if self._evictable(n, tier)]
             heapq.heapify(heap)
             while heap and freed < nbytes and not (done and freed and done()):
-                _, _, node = heapq.heappop(heap)
+                node = heapq.heappop(heap)[-1]
                 if not self._evictable(node, tier):
                     continue
                 parent = node.parent
@@ -239,7 +241,7 @@ class PrefixIndex:
                 freed += node.nbytes
                 self.evictions += 1
                 if parent is not None and self._evictable(parent, tier):
-                    heapq.heappush(heap, (parent.last_access, id(parent), parent))
+                    heapq.heappush(heap, (parent.last_access, -parent.end, parent.key, parent))
         return freed
 
     def _make_room(self, tier: int, nbytes: int) -> int:

@@ -153,19 +153,19 @@ def _chat(kv: EdgeKV, rounds: int, seed: int = 0) -> tuple[int, int]:
     return reused, orphans
 
 
-@pytest.mark.parametrize("policy", ["lru", "leaf"])
-def test_memory_pressure_orphans_only_under_per_tier_lru(tmp_path, policy):
-    cfg = CacheConfig(chunk_size=64, cache_dir=tmp_path, eviction=policy)
-    unbounded = EdgeKV(FakeAdapter(), MemoryStore(1 << 40), cfg)
-    ceiling, _ = _chat(unbounded, 40)
-    total = unbounded.store.stats().bytes
-    kv = EdgeKV(FakeAdapter(), MemoryStore(total // 3), cfg)
-    reused, orphans = _chat(kv, 40)
-    if policy == "leaf":
-        assert orphans == 0
-        assert reused >= 0.9 * ceiling, (reused, ceiling)
-    else:  # a hit touches the head before the tail: the LRU takes heads first
-        assert orphans > 0
+def test_memory_pressure_orphans_only_under_per_tier_lru(tmp_path):
+    """The same chats through a RAM tier of a third of their KV, each policy."""
+    runs = {}
+    for policy in ("unbounded", "lru", "leaf"):
+        cfg = CacheConfig(chunk_size=64, cache_dir=tmp_path / policy,
+                          eviction="lru" if policy == "lru" else "leaf")
+        cap = 1 << 40 if policy == "unbounded" else runs["unbounded"][2] // 3
+        kv = EdgeKV(FakeAdapter(), MemoryStore(cap), cfg)
+        runs[policy] = (*_chat(kv, 40), kv.store.stats().bytes)
+    ceiling = runs["unbounded"][0]
+    assert runs["leaf"][1] == 0  # never a byte held that no lookup can reach
+    assert runs["lru"][1] > 0  # a hit touches the head before the tail: LRU takes heads
+    assert runs["leaf"][0] >= runs["lru"][0] and runs["leaf"][0] >= 0.85 * ceiling, runs
 
 
 def test_a_leaf_evicted_from_ram_stays_on_disk(tmp_path):
