@@ -297,9 +297,11 @@ def load_or_probe(adapter: KVAdapter, probe_dir: Path,
                   ) -> ProbeResult:
     """The recorded answer for this adapter, else run the probe once and record it."""
     key, _ = probe_key(adapter)
-    if key in _memo:
-        return _memo[key]
     path = probe_path(probe_dir, key)
+    if key in _memo:  # probed in this process for another cache dir: record it here too
+        if not path.exists():
+            _record(path, _memo[key])
+        return _memo[key]
     try:
         found = ProbeResult.from_json(json.loads(path.read_text(encoding="utf-8")))
         if found.key == key and found.version == PROBE_VERSION:
@@ -312,6 +314,11 @@ def load_or_probe(adapter: KVAdapter, probe_dir: Path,
              "invariant" if result.invariant else "NOT invariant", result.seconds,
              "" if result.invariant else f"; differs under: {', '.join(result.failed)}")
     _memo[key] = result
+    _record(path, result)
+    return result
+
+
+def _record(path: Path, result: ProbeResult) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -319,7 +326,6 @@ def load_or_probe(adapter: KVAdapter, probe_dir: Path,
         os.replace(tmp, path)
     except OSError as e:  # a read-only cache dir: the answer still holds for this process
         log.warning("could not record the probe result in %s (%s)", path, e)
-    return result
 
 
 def measure_prefill(adapter: KVAdapter, n_tokens: int = 512, runs: int = 3) -> float:
