@@ -79,6 +79,10 @@ $(LLAMA_SRC)/CMakeLists.txt: $(LLAMA_SDIST)
 	tar xzf $(LLAMA_SDIST) -C build/src
 	touch $@
 
+# the patch series' tests apply it to this tree: `make test` needs it extracted (a download of
+# the sdist, once; it fails the tests rather than skipping them)
+test: $(LLAMA_SRC)/CMakeLists.txt
+
 # The stock peers, built as their users build them: `cmake -B b && cmake --build b` on the
 # vendored tree with ggml's default options (GGML_NATIVE and llamafile at their defaults), no
 # patch and none of EdgeKV's flags. Built on the machine that runs the benchmark, at bench time,

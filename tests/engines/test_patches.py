@@ -7,7 +7,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
+from ..conftest import skip_or_fail
 
 ROOT = Path(__file__).parents[2]
 SCRIPT = ROOT / "scripts/apply_patches.sh"
@@ -23,7 +23,8 @@ def apply(src: Path, pdir: Path = PATCHES) -> subprocess.CompletedProcess[str]:
 def tree_copy(tmp_path: Path) -> Path:
     """A source root holding the vendored ggml CPU backend (the only part the series edits)."""
     if not (VENDORED / "ggml/src/ggml-cpu").is_dir():
-        pytest.skip("the llama-cpp-python sdist is not extracted (make llama-server does it)")
+        skip_or_fail("the llama-cpp-python sdist is not extracted (make test and make "
+                     "llama-server do it)")
     root = tmp_path / "llama_cpp_python"
     dst = root / "vendor/llama.cpp/ggml/src/ggml-cpu"
     shutil.copytree(VENDORED / "ggml/src/ggml-cpu", dst)
