@@ -40,8 +40,9 @@ def _open(args: argparse.Namespace) -> EdgeKV:
 
         cfg = dataclasses.replace(cfg, passage_reuse=True)
     try:
+        kwargs = {"flash_attn": True} if getattr(args, "flash_attn", False) else {}
         return open_llamacpp(args.model, cfg, n_ctx=args.n_ctx, semantic=semantic,
-                             engine=args.engine)
+                             engine=args.engine, **kwargs)
     except (ImportError, ModelNotFound) as e:
         if not semantic:
             raise
@@ -318,7 +319,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
               f"{model.stem} loading, GET /health answers 200 when ready)", flush=True)
 
     return run(lambda: load_edgekv(model, cfg, n_ctx=args.n_ctx, engine=args.engine,
-                                   store_url=args.store, n_threads=args.threads),
+                                   store_url=args.store, n_threads=args.threads,
+                                   flash_attn=args.flash_attn),
                model_id=model.stem, options=opts, host=args.host, port=args.port,
                announce=announce, log_level="info" if args.verbose else "warning")
 
@@ -374,6 +376,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="cache directory (default: $EDGEKV_CACHE_DIR or ~/.cache/edgekv)")
         sp.add_argument("--chunk-size", type=int, help="tokens per chunk (default 128)")
 
+    def flash_attn_opt(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--flash-attn", action="store_true",
+                        help="llama.cpp: flash attention on. Exact reuse at any token only "
+                        "where the batch-invariance probe passes (the patched build: make "
+                        "patched-lib, then LLAMA_CPP_LIB_PATH=build/patched-lib "
+                        "GGML_CPU_BATCH_INVARIANT=1); elsewhere whole chunks")
+
     g = sub.add_parser("generate", help="answer a prompt, reusing cached KV")
     g.add_argument("prompt", help="prompt text, or - to read stdin")
     g.add_argument("--max-tokens", type=int, default=64)
@@ -392,6 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the prompt is 'passage<|passage|>passage<|passage|>question': cached "
                    "passages are reused wherever they sit (approximate, changes output)")
     engine_opts(g)
+    flash_attn_opt(g)
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("cache", help="inspect or empty the fragment store")
@@ -493,6 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-queue", type=int, default=16,
                     help="waiting requests per tenant before 429 (default 16)")
     engine_opts(sv)
+    flash_attn_opt(sv)
     sv.set_defaults(func=cmd_serve)
 
     d = sub.add_parser("demo", help="cold vs warm on real prompts (what `make run` shows)")

@@ -154,3 +154,24 @@ def test_flash_attention_layout_also_reuses_exactly(tmp_path):
         kv.store.close()
     finally:
         a.close()
+
+
+def test_serve_and_generate_switch_flash_attention_on(tmp_path):
+    """`--flash-attn` reaches the engine from `edgekv serve` and `edgekv generate` (the way to
+    run the patched build's exact flash attention outside `bench kernels`)."""
+    from edgekv.cli import _open, build_parser
+    from edgekv.serve.runner import load_edgekv
+
+    cfg = CacheConfig(cache_dir=tmp_path, reuse_granularity="chunk")
+    kv = load_edgekv(MODEL, cfg, n_ctx=512, flash_attn=True)
+    try:
+        assert "flash_attn_type=1" in kv.adapter.build_info()
+    finally:
+        kv.close()
+    args = build_parser().parse_args(["generate", "hi", "--flash-attn", "--no-semantic",
+                                      "--n-ctx", "512", "--cache-dir", str(tmp_path)])
+    kv = _open(args)
+    try:
+        assert "flash_attn_type=1" in kv.adapter.build_info()
+    finally:
+        kv.close()
