@@ -40,7 +40,7 @@ def load_edgekv(model: str | Path | None, config: CacheConfig, *, n_ctx: int = 2
         from .. import open_llamacpp
 
         return open_llamacpp(model, config, n_ctx=n_ctx, engine=engine, n_threads=n_threads,
-                             **kwargs)
+                             **kwargs)  # type: ignore[arg-type]
     from ..engines import open_adapter
     from ..store import MemoryStore, TieredStore, open_store_url
 
