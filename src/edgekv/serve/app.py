@@ -6,6 +6,10 @@ function that builds it; the function runs on the worker thread after the socket
 (key, size, fields, model, context) before they are queued; what is left is the worker's.
 With API keys, every route but `/health` needs one, `/metrics` too: its prefix-cache counters
 move when other tenants' requests hit, a timing channel that `cache_salt` exists to close.
+
+EdgeKV's extensions (schemas.py, responses.py): `documents` (RAG passages, with
+`--passage-reuse` only), `approximate: true` (with `ServeOptions.allow_approximate` only), the
+`edgekv` object beside `usage`, and the `X-EdgeKV-Tier` header.
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ from starlette.responses import JSONResponse, Response
 from ..cache import EdgeKV
 from ..engines.constraint import Grammar
 from ..errors import ConfigError
+from ..prefetch import Prefetcher
+from ..store.base import StoreStats
+from ..store.tiered import TieredStore
 from .errors import (
     CLIENT_GONE,
     APIError,
@@ -37,7 +44,7 @@ from .errors import (
 from .generation import Delta, Finished, GenRequest, ServedModel
 from .guard import Tenant, authenticate, read_body, wait_disconnect
 from .metrics import CONTENT_TYPE, CountResponses, ServeMetrics
-from .responses import DONE, CompletionShape, EventStream, sse
+from .responses import DONE, TIER_HEADER, CompletionShape, EventStream, sse
 from .scheduler import Job, Scheduler
 from .schemas import ChatRequest, CompletionRequest, parse_request
 from .structured import response_grammar
@@ -52,6 +59,7 @@ class ServeOptions:
     max_waiting: int | None = None  # waiting requests in all (default 4 x max_queue)
     max_body_bytes: int = 1 << 20  # a 2k-token context is ~10 KB of text; 1 MiB is generous
     use_cache: bool = True  # False: every request runs cold (the reference in benchmarks)
+    allow_approximate: bool = False  # --approximate: a request may ask `"approximate": true`
 
     def __post_init__(self) -> None:
         if self.max_queue < 1 or (self.max_waiting is not None and self.max_waiting < 1):
@@ -62,16 +70,11 @@ class ServeOptions:
             raise ConfigError("an --api-key is empty; give non-empty keys")
 
 
-def create_app(kv: EdgeKV | Callable[[], EdgeKV], *, model_id: str | None = None,
+def create_app(kv: EdgeKV | Callable[[], EdgeKV], *, model_id: str,
                options: ServeOptions = ServeOptions(),
                on_load_error: Callable[[BaseException], None] | None = None) -> FastAPI:
-    """The app; `kv` is an EdgeKV or a loader. `model_id` (the name clients send) defaults to
-    the GGUF file's stem; a loader needs it, since /v1/models answers before loading ends."""
-    if model_id is None:
-        if callable(kv) and not isinstance(kv, EdgeKV):
-            raise ValueError("create_app with a loader needs model_id")
-        path = getattr(kv.adapter, "model_path", None)
-        model_id = path.stem if path is not None else "edgekv"
+    """The app; `kv` is an EdgeKV or a loader. `model_id`: the name clients send (`edgekv
+    serve` gives the GGUF file's stem); /v1/models answers it before loading ends."""
     server = _Server(kv, model_id, options)
 
     @asynccontextmanager
@@ -104,38 +107,44 @@ class _Server:
         self.options, self.model_id = options, model_id
         self.served: ServedModel | None = None
         self._loader = None if isinstance(kv, EdgeKV) else kv
-        if isinstance(kv, EdgeKV):
-            self.served = ServedModel(kv, model_id, use_cache=options.use_cache)
         self.scheduler = Scheduler(max_queue=options.max_queue,
                                    max_waiting=options.max_waiting,
                                    on_cancel=lambda stage: self.metrics.cancelled.labels(
                                        stage).inc())
         self.metrics = ServeMetrics(waiting=lambda: self.scheduler.waiting,
                                     running=lambda: self.scheduler.running,
-                                    store_stats=self._store_stats)
+                                    store_stats=self._store_stats,
+                                    prefetch_stats=self._prefetch_stats)
         self.created = int(time.time())
+        if isinstance(kv, EdgeKV):
+            self._serve(kv)
 
     # -- lifecycle (worker thread / shutdown) --------------------------------------------
 
     def load(self) -> None:
         if self._loader is not None:
-            self.served = ServedModel(self._loader(), self.model_id,
-                                      use_cache=self.options.use_cache)
+            self._serve(self._loader())
+
+    def _serve(self, kv: EdgeKV) -> None:
+        self.served = ServedModel(kv, self.model_id, use_cache=self.options.use_cache)
+        if kv.router is not None:
+            self.metrics.routing()
 
     def close(self) -> None:
         self.scheduler.stop()
         if self._loader is not None and self.served is not None:  # we built it: we close it
             self.served.kv.close()
-            close = getattr(self.served.kv.adapter, "close", None)
-            if close is not None:
-                close()
+            self.served.kv.adapter.close()
 
-    def _store_stats(self) -> list[Any]:
+    def _store_stats(self) -> list[StoreStats]:
         if self.served is None:
             return []
         store = self.served.kv.store
-        tiers = getattr(store, "tier_stats", None)
-        return list(tiers()) if tiers is not None else [store.stats()]
+        return store.tier_stats() if isinstance(store, TieredStore) else [store.stats()]
+
+    def _prefetch_stats(self) -> dict[str, float] | None:
+        p = None if self.served is None else self.served.kv.prefetcher
+        return p.stats() if isinstance(p, Prefetcher) else None
 
     # -- handlers --------------------------------------------------------------------------
 
@@ -156,7 +165,9 @@ class _Server:
                                   param="response_format")
             grammar = tools.grammar()
         msgs = chat_prompt(req.messages, tools)
-        return await self._run(request, served, req, lambda: served.prepare_chat(msgs, limit),
+        passages = self._check_extensions(served, req)
+        return await self._run(request, served, req,
+                               lambda: served.prepare_chat(msgs, limit, passages),
                                tenant, chat=True, grammar=grammar, tools=tools)
 
     async def completions(self, request: Request) -> Response:
@@ -167,8 +178,10 @@ class _Server:
         served.check_limit(req.max_tokens, "max_tokens")
         one = req.single_prompt()
         prompt = one if isinstance(one, str) else tuple(one)
+        passages = self._check_extensions(served, req)
         return await self._run(request, served, req,
-                               lambda: served.prepare(prompt, req.max_tokens, "prompt"),
+                               lambda: served.prepare(prompt, req.max_tokens, "prompt",
+                                                      passages),
                                tenant, chat=False, grammar=response_grammar(req.response_format))
 
     async def models(self, request: Request) -> JSONResponse:
@@ -204,6 +217,22 @@ class _Server:
                            f"{self.model_id!r} (or say 'default'); see GET /v1/models",
                            code="model_not_found", param="model")
 
+    def _check_extensions(self, served: ServedModel,
+                          req: ChatRequest | CompletionRequest) -> tuple[str, ...] | None:
+        """EdgeKV's request fields, refused where the server is not set up for them; the
+        documents' passage texts."""
+        if req.approximate and not self.options.allow_approximate:
+            raise APIError(400, "approximate reuse is off on this server (answers stay exactly "
+                           "what a cold run gives); start it with --approximate to allow "
+                           "\"approximate\": true, or leave the field out",
+                           code="approximate_not_allowed", param="approximate")
+        passages = req.passages()
+        if passages is not None and served.kv.passages is None:
+            raise APIError(400, "documents need passage reuse, which is off on this server; "
+                           "start it with --passage-reuse, or put the documents' text in the "
+                           "prompt", code="passage_reuse_off", param="documents")
+        return passages
+
     def _model(self, name: str) -> ServedModel:
         self._check_name(name)
         if self.served is None or not self.scheduler.ready.is_set():
@@ -223,13 +252,15 @@ class _Server:
         """`prepare` (tokens and max_tokens, or a 400) and the grammar's state over the
         vocabulary run beside the worker, then the job is queued."""
         tokens, max_tokens = await asyncio.to_thread(prepare)
+        passages = req.passages()
         param = "tool_choice" if tools is not None and tools.forced else "response_format"
         constraint = await asyncio.to_thread(served.constraint, grammar, param)
         seed = secrets.randbits(32) if req.seed is None else req.seed % 2**63
         gen = GenRequest(tokens=tokens, max_tokens=max_tokens, temperature=req.temperature,
                          top_p=req.top_p, seed=seed, stop=req.stops(),
                          salt=tenant.salt(req.cache_salt), constraint=constraint,
-                         top_logprobs=req.top_k(), tools=tools)
+                         top_logprobs=req.top_k(), tools=tools, passages=passages,
+                         approximate=bool(req.approximate))
         shape = CompletionShape(chat, self.model_id, "fp_" + served.kv.fingerprint[:12])
         job = Job(tenant.queue(req.cache_salt), lambda j: served.run(gen, j, self.metrics),
                   asyncio.get_running_loop(), request_id=shape.id)
@@ -251,7 +282,8 @@ class _Server:
                     raise event
             if event is None:
                 return Response(status_code=CLIENT_GONE)
-            return JSONResponse(shape.whole(event))
+            headers = {TIER_HEADER: event.tier} if event.tier is not None else None
+            return JSONResponse(shape.whole(event), headers=headers)
         finally:
             if not handed_over:
                 self._release(job, gone)
@@ -276,7 +308,8 @@ class _Server:
                         yield sse(chunk)
                 elif late:
                     yield sse(shape.chunk("", with_usage=usage, logprobs=late))
-                yield sse(shape.chunk(None, finish_reason=event.finish_reason, with_usage=usage))
+                yield sse(shape.chunk(None, finish_reason=event.finish_reason, with_usage=usage,
+                                      finished=event))
                 if usage:
                     yield sse(shape.usage_chunk(event))
                 yield DONE

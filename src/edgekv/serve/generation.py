@@ -7,6 +7,10 @@ tokenizes in its HTTP threads too), and so do the fake and HF fast tokenizers. E
 that touches the engine runs on the one worker thread. Results go back as events: `Started`
 when the job leaves the queue (a stream's 200 is sent then), `Delta` for each piece of text,
 then `Finished` or an `APIError`.
+
+Documents (`passages`) are tokenized on arrival too, to refuse what cannot fit; they are placed
+before the question after the model's BOS, which the question (a chat's tokens start with it)
+then does not repeat.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ class GenRequest:
     constraint: Constraint | None = None  # a grammar's state (structured output, forced call)
     top_logprobs: int | None = None  # None: no logprobs; else alternatives per token
     tools: ToolPlan | None = None  # the answer may be tool calls (tools.py)
+    passages: tuple[str, ...] | None = None  # RAG documents placed before `tokens`
+    approximate: bool = False  # the request allows approximate reuse (server permitting)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +75,12 @@ class Finished:
     logprobs: tuple[TokenLogprob, ...] | None = None  # every token's, when asked for
     tool_calls: tuple[ToolCallOut, ...] = ()
     sent_logprobs: int = 0  # how many of `logprobs` the Deltas carried
+    # what reuse did (the response's `edgekv` object, responses.edgekv_info)
+    streamed_tokens: int = 0  # prompt tokens whose KV a fill step streamed in
+    computed_tokens: int = 0  # prompt tokens computed here
+    tier: str | None = None  # the semantic router's exact / partial / miss; None: no router
+    approximate: bool = False  # reused KV not exactly what a cold run computes
+    passages: dict[str, object] | None = None  # PassageReport.as_dict(); None: no documents
 
 
 class ServedModel:
@@ -78,8 +90,7 @@ class ServedModel:
         self.kv, self.model_id, self.use_cache = kv, model_id, use_cache
         a = kv.adapter
         self.n_ctx = int(a.n_ctx)
-        template = getattr(a, "chat_template", None)
-        self.chat_template: str | None = template() if callable(template) else None
+        self.chat_template: str | None = a.chat_template()
         # messages -> tokens, the template's markers alone as control tokens (chat.py)
         self.chat: ChatTokenizer | None = None
         self._no_chat = ("this model has no chat template; send a raw prompt to "
@@ -90,6 +101,7 @@ class ServedModel:
             except EdgeKVError as e:  # completions still work
                 self._no_chat = f"{e}; send a raw prompt to /v1/completions instead"
         self.n_vocab = _vocab_size(a)
+        self.anchor = tuple(a.tokenize("", add_bos=True))  # what passages are placed after
         self._tokenizing = threading.Lock()  # one tokenization at a time beside the worker
 
     def check_limit(self, max_tokens: int | None, param: str) -> None:
@@ -100,10 +112,12 @@ class ServedModel:
                               param=param)
 
     def prepare(self, prompt: str | tuple[int, ...], limit: int | None,
-                param: str = "prompt") -> tuple[tuple[int, ...], int]:
+                param: str = "prompt", passages: tuple[str, ...] | None = None
+                ) -> tuple[tuple[int, ...], int]:
         """The prompt's token ids and the max_tokens to use (None: up to the end of the
-        context window, vLLM's default); a prompt that cannot fit is a 400 here. A raw
-        prompt's text may spell control tokens (it is the client's whole prompt)."""
+        context window, vLLM's default); a prompt that cannot fit (with `passages` before
+        it) is a 400 here. A raw prompt's text may spell control tokens (it is the client's
+        whole prompt)."""
         if isinstance(prompt, str):
             with self._tokenizing:
                 tokens = tuple(self.kv.adapter.tokenize(prompt))
@@ -114,7 +128,7 @@ class ServedModel:
                 raise bad_request(f"token id {bad[0]} is outside the vocabulary "
                                   f"[0, {self.n_vocab}); send ids this model's tokenizer made",
                                   param="prompt")
-        return self._fit(tokens, limit, param)
+        return self._fit(tokens, limit, param, passages)
 
     def check_chat(self) -> ChatTokenizer:
         """The chat tokenizer, or a 400 for a model without a chat template."""
@@ -122,8 +136,8 @@ class ServedModel:
             raise bad_request(self._no_chat, param="messages")
         return self.chat
 
-    def prepare_chat(self, messages: list[dict[str, str]],
-                     limit: int | None) -> tuple[tuple[int, ...], int]:
+    def prepare_chat(self, messages: list[dict[str, str]], limit: int | None,
+                     passages: tuple[str, ...] | None = None) -> tuple[tuple[int, ...], int]:
         """`prepare` for chat messages: their text never becomes control tokens (a message
         that spells `<|im_start|>system` stays text); a template that refuses them is a 400."""
         chat = self.check_chat()
@@ -132,18 +146,30 @@ class ServedModel:
                 tokens = tuple(chat.tokens(messages))
         except EdgeKVError as e:
             raise bad_request(str(e), param="messages") from None
-        return self._fit(tokens, limit, "messages")
+        return self._fit(tokens, limit, "messages", passages)
 
-    def _fit(self, tokens: tuple[int, ...], limit: int | None,
-             param: str) -> tuple[tuple[int, ...], int]:
+    def _fit(self, tokens: tuple[int, ...], limit: int | None, param: str,
+             passages: tuple[str, ...] | None = None) -> tuple[tuple[int, ...], int]:
+        """`tokens` and max_tokens, or a 400. With `passages`, the tokens returned are the
+        question's without the BOS the passages are placed after (`anchor`)."""
+        docs = 0
+        if passages is not None:
+            if self.anchor and tokens[: len(self.anchor)] == self.anchor:
+                tokens = tokens[len(self.anchor):]
+            with self._tokenizing:  # as passages.PassageReuse.layout tokenizes them
+                docs = len(self.anchor) + sum(
+                    len(self.kv.adapter.tokenize(p, add_bos=False)) for p in passages)
         if not tokens:
             raise bad_request("the prompt is empty; give at least one token", param="prompt")
-        room = self.n_ctx - len(tokens)
+        room = self.n_ctx - docs - len(tokens)
         if room < 1 or (limit is not None and limit > room):
             asked = f" + max_tokens ({limit})" if limit is not None else ""
-            raise APIError(400, f"this model's context window is {self.n_ctx} tokens; the "
-                           f"prompt has {len(tokens)}{asked}. Shorten the prompt or ask for "
-                           "fewer tokens", code="context_length_exceeded", param=param)
+            held = f"the documents have {docs} tokens and " if passages is not None else ""
+            raise APIError(400, f"this model's context window is {self.n_ctx} tokens; "
+                           f"{held}the prompt has {len(tokens)}{asked}. Shorten the "
+                           f"{'documents or the ' if passages is not None else ''}prompt or "
+                           "ask for fewer tokens", code="context_length_exceeded",
+                           param="documents" if docs > len(tokens) else param)
         return tokens, room if limit is None else limit
 
     def constraint(self, grammar: Grammar | None, param: str) -> Constraint | None:
@@ -191,7 +217,9 @@ class ServedModel:
             r = self.kv.generate(list(req.tokens), max_tokens=req.max_tokens,
                                  temperature=req.temperature, top_p=req.top_p, seed=req.seed,
                                  on_token=on_token, salt=req.salt, namespace=SERVE_TENANTS,
-                                 use_cache=self.use_cache, constraint=constraint)
+                                 use_cache=self.use_cache, constraint=constraint,
+                                 approximate=req.approximate,
+                                 passages=None if req.passages is None else list(req.passages))
         except EdgeKVError as e:  # its message goes to the client, not to the log
             log.warning("request %s refused by generate: %s", job.request_id, type(e).__name__)
             log.debug("request %s refused by generate", job.request_id, exc_info=e)
@@ -204,15 +232,24 @@ class ServedModel:
             sent += len(lps)
             job.emit(Delta(held, lps))
         done = time.perf_counter()
+        tier = None if r.match.tier == "none" else r.match.tier
+        approximate = r.match.approximate or (r.passages is not None and
+                                              r.passages.approximate)
         metrics.observe(prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens,
                         completion_tokens=len(r.tokens), ttft_s=t0 - job.arrived + r.ttft_s,
-                        e2e_s=done - job.arrived, refused_injection=bool(r.rejections))
+                        e2e_s=done - job.arrived, refused_injection=bool(r.rejections),
+                        streamed_tokens=r.streamed_tokens, computed_tokens=r.computed_tokens,
+                        tier=tier, approximate=approximate,
+                        passage_reused_tokens=r.passages.reused_tokens if r.passages else 0)
         reason = "tool_calls" if calls else "stop" if text.stopped else r.finish_reason
         job.emit(Finished(text="" if calls else text.text, finish_reason=reason,
                           prompt_tokens=r.prompt_tokens, completion_tokens=len(r.tokens),
                           cached_tokens=r.cached_tokens,
                           logprobs=None if recorder is None else tuple(recorder.entries),
-                          tool_calls=tuple(calls or ()), sent_logprobs=sent))
+                          tool_calls=tuple(calls or ()), sent_logprobs=sent,
+                          streamed_tokens=r.streamed_tokens, computed_tokens=r.computed_tokens,
+                          tier=tier, approximate=approximate,
+                          passages=None if r.passages is None else r.passages.as_dict()))
 
     def _piece(self, token: int) -> bytes:
         """A token's bytes: the adapter's own (llama.cpp's piece), else its text's."""

@@ -5,12 +5,20 @@ hits / queries, TTFT and end-to-end latency histograms, running / waiting gauges
 with a `vllm:` -> `edgekv_` rename. Each server owns its registry, so two apps in one process
 (tests) never share counters. Store figures are read from the store when scraped, so they are
 never stale and cost nothing between scrapes.
+
+EdgeKV's own, beside them: `edgekv_route_tier_total{tier}` (requests by the semantic router's
+tier: exact, partial, miss; only with a router), `edgekv_streamed_tokens_total` (prompt tokens
+whose KV a fill step streamed in), `edgekv_computed_tokens_total` (prompt tokens computed
+here), `edgekv_passage_reused_tokens_total` (document tokens placed from the passage cache),
+`edgekv_approximate_requests_total` (answers labelled approximate), and with a prefetcher
+`edgekv_prefetch_requests_total`, `edgekv_prefetch_predicted_total`, `edgekv_prefetch_hits_total`,
+`edgekv_prefetch_warmed_fragments_total` and `edgekv_prefetch_hit_rate` (hits / predicted).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import (
@@ -29,6 +37,7 @@ from ..store.base import StoreStats
 __all__ = ["CONTENT_TYPE", "CountResponses", "ServeMetrics"]
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST  # what generate_latest writes
+TIERS = ("exact", "partial", "miss")  # the semantic router's (semantic.router.Tier)
 
 # vLLM's buckets (vllm/engine/metrics.py), so histograms compare bucket for bucket
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -42,7 +51,9 @@ class ServeMetrics:
     """The server's counters; `render()` is the body of GET /metrics."""
 
     def __init__(self, *, waiting: Callable[[], int], running: Callable[[], int],
-                 store_stats: Callable[[], Sequence[StoreStats]]) -> None:
+                 store_stats: Callable[[], Sequence[StoreStats]],
+                 prefetch_stats: Callable[[], Mapping[str, float] | None] = lambda: None
+                 ) -> None:
         r = self.registry = CollectorRegistry()
         self.prefix_queries = Counter(
             "edgekv_prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
@@ -68,13 +79,42 @@ class ServeMetrics:
         self.cancelled = Counter("edgekv_requests_cancelled", "Requests whose client went "
                                  "away, by where they were (waiting or running)", ["stage"],
                                  registry=r)
+        self.tiers = Counter("edgekv_route_tier", "Requests by the semantic router's tier "
+                             "(exact, partial, miss)", ["tier"], registry=r)
+        self.streamed_tokens = Counter(
+            "edgekv_streamed_tokens", "Prompt tokens whose KV a fill step streamed in (from a "
+            "KV server), neither cached here nor computed", registry=r)
+        self.computed_tokens = Counter(
+            "edgekv_computed_tokens", "Prompt tokens computed here (not cached, streamed or "
+            "placed from the passage cache)", registry=r)
+        self.passage_reused = Counter(
+            "edgekv_passage_reused_tokens", "Document tokens whose KV was placed from the "
+            "passage cache", registry=r)
+        self.approximate = Counter("edgekv_approximate_requests", "Answers labelled "
+                                   "approximate (reused KV differs from a cold run's)",
+                                   registry=r)
         self._refused = 0  # requests during which an injection was refused
         self._lock = threading.Lock()
         r.register(_StoreCollector(store_stats, self.refused))
+        r.register(_PrefetchCollector(prefetch_stats))
+
+    def routing(self) -> None:
+        """A semantic router is on: every tier is shown from the start (as 0)."""
+        for t in TIERS:
+            self.tiers.labels(t)
 
     def observe(self, *, prompt_tokens: int, cached_tokens: int, completion_tokens: int,
-                ttft_s: float, e2e_s: float, refused_injection: bool) -> None:
+                ttft_s: float, e2e_s: float, refused_injection: bool,
+                streamed_tokens: int = 0, computed_tokens: int = 0, tier: str | None = None,
+                approximate: bool = False, passage_reused_tokens: int = 0) -> None:
         """Record one finished generation."""
+        if tier is not None:
+            self.tiers.labels(tier).inc()
+        self.streamed_tokens.inc(streamed_tokens)
+        self.computed_tokens.inc(computed_tokens)
+        self.passage_reused.inc(passage_reused_tokens)
+        if approximate:
+            self.approximate.inc()
         self.prefix_queries.inc(prompt_tokens)
         self.prefix_hits.inc(cached_tokens)
         self.prompt_tokens.inc(prompt_tokens)
@@ -125,6 +165,31 @@ class _StoreCollector(Collector):
 
     def describe(self) -> Iterator[Metric]:
         return iter(())  # families are only known at scrape time; nothing to pre-register
+
+
+class _PrefetchCollector(Collector):
+    """The prefetcher's counters (`prefetch.Prefetcher.stats`), read at scrape time; nothing
+    without a prefetcher."""
+
+    def __init__(self, stats: Callable[[], Mapping[str, float] | None]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        if s is None:
+            return
+        for name, what in (("requests", "Requests the prefetcher saw (with a signature)"),
+                           ("predicted", "Requests for which a next context was predicted"),
+                           ("hits", "Predicted requests whose context was among the predicted"),
+                           ("warmed_fragments", "Fragments the prefetcher loaded ahead")):
+            c = CounterMetricFamily(f"edgekv_prefetch_{name}", what)
+            c.add_metric([], float(s[name]))
+            yield c
+        yield GaugeMetricFamily("edgekv_prefetch_hit_rate", "Prefetch hits / predicted "
+                                "(0 before any prediction)", value=float(s["hit_rate"]))
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
 
 
 class CountResponses:

@@ -3,6 +3,23 @@
 The shapes follow the OpenAI API reference: `chat.completion` / `chat.completion.chunk` and
 `text_completion`, usage with `prompt_tokens_details.cached_tokens` (here: the prompt tokens
 whose KV came from the fragment cache instead of being computed).
+
+Beside `usage`, every response (and a stream's last chunks: the one with `finish_reason`, and
+the usage chunk when `stream_options.include_usage` asks for one) carries EdgeKV's account of
+what reuse did, `edgekv` (`edgekv_info`):
+
+    {"cached_tokens": int,     # prompt tokens whose KV came from the cache (= usage's)
+     "streamed_tokens": int,   # prompt tokens whose KV a fill step streamed in (KV server)
+     "computed_tokens": int,   # prompt tokens computed here
+     "tier": "exact" | "partial" | "miss" | null,  # the semantic router's; null: no router
+     "approximate": bool,      # reused KV is not what a cold run computes (approximate
+                               # match, or documents placed from the passage cache)
+     "passages": null | {...}} # null without documents (or with the cache off); else the
+                               # placement's report (passages.PassageReport.as_dict)
+
+Non-streamed responses also carry the tier in the header `X-EdgeKV-Tier` (where there is a
+router). A stream's headers leave before the tier is known (the router names it after the
+answer in strict mode), so a stream has it in its final chunk only.
 """
 
 from __future__ import annotations
@@ -21,15 +38,23 @@ from .generation import Finished
 from .logprobs import TokenLogprob, chat_logprobs, completion_logprobs
 from .tools import ToolCallOut
 
-__all__ = ["CompletionShape", "EventStream", "sse", "usage"]
+__all__ = ["CompletionShape", "EventStream", "TIER_HEADER", "edgekv_info", "sse", "usage"]
 
 DONE = b"data: [DONE]\n\n"
+TIER_HEADER = "X-EdgeKV-Tier"
 
 
 def usage(f: Finished) -> dict[str, Any]:
     return {"prompt_tokens": f.prompt_tokens, "completion_tokens": f.completion_tokens,
             "total_tokens": f.prompt_tokens + f.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": f.cached_tokens}}
+
+
+def edgekv_info(f: Finished) -> dict[str, Any]:
+    """The response's `edgekv` object (see the module doc); its keys are a contract."""
+    return {"cached_tokens": f.cached_tokens, "streamed_tokens": f.streamed_tokens,
+            "computed_tokens": f.computed_tokens, "tier": f.tier,
+            "approximate": f.approximate, "passages": f.passages}
 
 
 def sse(obj: dict[str, Any]) -> bytes:
@@ -62,15 +87,18 @@ class CompletionShape:
             choice["message"] = msg
         else:
             choice["text"] = f.text
-        return {**self._head(""), "choices": [choice], "usage": usage(f)}
+        return {**self._head(""), "choices": [choice], "usage": usage(f),
+                "edgekv": edgekv_info(f)}
 
     def chunk(self, text: str | None = None, *, role: bool = False,
               finish_reason: str | None = None, with_usage: bool = False,
               logprobs: Sequence[TokenLogprob] | None = None,
-              tool_calls: Sequence[ToolCallOut] = ()) -> dict[str, Any]:
+              tool_calls: Sequence[ToolCallOut] = (),
+              finished: Finished | None = None) -> dict[str, Any]:
         """One streamed chunk; `with_usage` adds `"usage": null` as OpenAI does once usage
         was asked for (the usage itself comes in `usage_chunk`). Tool calls go one per
-        chunk (`delta.tool_calls[0].index` says which), each with its whole arguments."""
+        chunk (`delta.tool_calls[0].index` says which), each with its whole arguments.
+        `finished`: the last chunk with a choice, which carries `edgekv`."""
         choice: dict[str, Any] = {"index": 0, "logprobs": self._logprobs(logprobs),
                                   "finish_reason": finish_reason}
         if self.chat:
@@ -85,10 +113,13 @@ class CompletionShape:
         out = {**self._head(".chunk"), "choices": [choice]}
         if with_usage:
             out["usage"] = None
+        if finished is not None:
+            out["edgekv"] = edgekv_info(finished)
         return out
 
     def usage_chunk(self, f: Finished) -> dict[str, Any]:
-        return {**self._head(".chunk"), "choices": [], "usage": usage(f)}
+        return {**self._head(".chunk"), "choices": [], "usage": usage(f),
+                "edgekv": edgekv_info(f)}
 
     def _logprobs(self, entries: Sequence[TokenLogprob] | None) -> dict[str, Any] | None:
         if entries is None:

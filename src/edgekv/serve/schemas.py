@@ -8,6 +8,16 @@ accepted only at the value that leaves greedy output unchanged (`frequency_penal
 is a 400, as at OpenAI). Here the shapes are checked; what a schema or a tool list means
 (does it convert to a grammar, does `tool_choice` name a tool) is checked in `structured.py`
 and `tools.py`, still before the request is queued.
+
+EdgeKV's own fields, beside vLLM's `cache_salt`:
+- `documents` (chat and text completions): RAG documents, as vLLM passes them to chat
+  templates: strings, or objects `{"text": ..., "title": optional}`. Each one is one passage
+  (`Document.passage`: `"title\n\ntext\n\n"`, or `"text\n\n"` without a title), placed
+  before the conversation (or the raw prompt), after the model's BOS; its KV is cached alone
+  and reused wherever it sits (`--passage-reuse`, `passages.py`), so the answer is labelled
+  approximate once a passage's KV is reused. `[]` is the same as no documents.
+- `approximate: true`: reuse a cached prefix that differs in a few tokens (the seed's
+  similarity injection); refused unless the server was started with `--approximate`.
 """
 
 from __future__ import annotations
@@ -19,13 +29,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from .errors import APIError, bad_request
 
 __all__ = [
-    "ChatRequest", "CompletionRequest", "JSONObjectFormat", "JSONSchemaFormat", "Message",
-    "NEUTRAL", "NamedToolChoice", "TextFormat", "Tool", "ToolCall", "chat_messages",
+    "ChatRequest", "CompletionRequest", "Document", "JSONObjectFormat", "JSONSchemaFormat",
+    "Message", "NEUTRAL", "NamedToolChoice", "TextFormat", "Tool", "ToolCall", "chat_messages",
     "parse_request",
 ]
 
 MAX_STOP = 16  # OpenAI allows 4; a few more cost nothing here (stop strings are scanned per token)
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat (5 for completions; 20 costs nothing more here)
+MAX_DOCUMENTS = 64  # passages per request: more is refused (the context holds no more anyway)
 
 # field -> the values at which an unimplemented OpenAI option changes nothing
 NEUTRAL: dict[str, tuple[Any, ...]] = {
@@ -122,6 +133,19 @@ ResponseFormat = Annotated[TextFormat | JSONObjectFormat | JSONSchemaFormat,
                            Field(discriminator="type")]
 
 
+class Document(_Strict):
+    """A RAG document (vLLM's chat-template `documents` item): its text, optionally a title."""
+
+    text: str
+    title: str | None = None
+
+    def passage(self) -> str:
+        """The passage it becomes: the title, a blank line, the text, a blank line (which
+        parts the passages, and the last one from the conversation)."""
+        head = f"{self.title}\n\n" if self.title else ""
+        return f"{head}{self.text}\n\n"
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
@@ -138,6 +162,9 @@ class _Common(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: str | None = Field(None, min_length=1, max_length=512)  # vLLM's tenant salt
+    # EdgeKV's extensions (see the module doc): RAG passages, approximate reuse
+    documents: list[str | Document] | None = None
+    approximate: bool | None = None
     # accepted and ignored: they never change what is generated
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
@@ -153,6 +180,13 @@ class _Common(_Strict):
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def passages(self) -> tuple[str, ...] | None:
+        """The documents as passage texts (`Document.passage`); None without documents."""
+        if not self.documents:
+            return None
+        return tuple(Document(text=d).passage() if isinstance(d, str) else d.passage()
+                     for d in self.documents)
 
 
 class ChatRequest(_Common):
@@ -246,6 +280,7 @@ def _check(req: ChatRequest | CompletionRequest) -> None:
     stops = req.stops()
     if len(stops) > MAX_STOP or any(not s for s in stops):
         raise bad_request(f"stop: give at most {MAX_STOP} non-empty strings", param="stop")
+    _check_documents(req.documents)
     if isinstance(req, ChatRequest):
         if not req.messages:
             raise bad_request("messages is empty; send at least one message",
@@ -256,6 +291,21 @@ def _check(req: ChatRequest | CompletionRequest) -> None:
                               param="top_logprobs")
         for i, m in enumerate(req.messages):
             _check_message(i, m)
+
+
+def _check_documents(docs: list[str | Document] | None) -> None:
+    if not docs:
+        return
+    if len(docs) > MAX_DOCUMENTS:
+        raise APIError(400, f"{len(docs)} documents: at most {MAX_DOCUMENTS} per request; send "
+                       "fewer (the ones retrieved first)", code="context_length_exceeded",
+                       param="documents")
+    for i, d in enumerate(docs):
+        text = d if isinstance(d, str) else d.text
+        if not text.strip():
+            raise bad_request(f"documents[{i}] has no text; give each document its text or "
+                              "leave it out", param=f"documents.{i}" + (
+                                  "" if isinstance(d, str) else ".text"))
 
 
 def _check_message(i: int, m: Message) -> None:
