@@ -33,11 +33,11 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .engines.base import FragmentSpec, KVAdapter
+from .engines.base import FragmentSpec, KVAdapter, PassageEngine, ShiftableKV
 from .errors import ConfigError, EdgeKVError, UnsupportedLayout
 from .fragment import MAX_SPAN, MIN_SPAN, KVFragment
 from .keys import passage_key
@@ -74,22 +74,6 @@ class PlacedRun:
     tokens: Sequence[int]
     keys: np.ndarray | None = None  # [layer, token, n_embd_k]
     values: np.ndarray | None = None
-
-
-class PassageEngine(Protocol):
-    """What an engine offers passage reuse (`LlamaCppAdapter.passage_engine`)."""
-
-    def shift_keys(self, keys: np.ndarray, delta: int) -> np.ndarray:
-        """`keys[layer, token, width]` moved by `delta` positions."""
-        ...
-
-    def build(self, runs: Sequence[PlacedRun]) -> int:
-        """Extend the context by `runs` in order; return its new length."""
-        ...
-
-    def layer_kv(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        """K and V [token, width] of one layer of what the engine holds."""
-        ...
 
 
 def split_passages(text: str) -> tuple[list[str], str]:
@@ -209,12 +193,11 @@ class PassageReuse:
     """The passage step of `EdgeKV.generate`: layout, cache, place."""
 
     def __init__(self, adapter: KVAdapter, store: FragmentStore, config: CacheConfig) -> None:
-        make = getattr(adapter, "passage_engine", None)
-        if make is None:
+        if not isinstance(adapter, ShiftableKV):
             raise UnsupportedLayout(
                 f"{type(adapter).__name__} cannot move cached KV to another position (no RoPE "
                 "shift); passage reuse runs on the llama.cpp engine. Drop --passage-reuse")
-        self.engine: PassageEngine = make()
+        self.engine: PassageEngine = adapter.passage_engine()
         self.adapter, self.store, self.config = adapter, store, config
         self.policy = PassagePolicy(config.passage_policy, config.passage_budget)
         self.anchor = adapter.tokenize("", add_bos=True)
@@ -297,7 +280,7 @@ class PassageReuse:
                 else:
                     runs.append(PlacedRun(s.tokens[lo:hi], keys[:, lo:hi], f.values[:, lo:hi]))
                     reused += hi - lo
-        before = getattr(self.engine, "restores", 0)
+        before = self.engine.restores
         if runs:
             self.engine.build(runs)
         if a.n_tokens != max(held, layout.end) or a.token_ids != layout.tokens[: a.n_tokens]:
@@ -306,7 +289,7 @@ class PassageReuse:
             policy=policy.label, passages=len(layout.spans),
             passage_tokens=sum(len(s.tokens) for s in layout.spans), reused_tokens=reused,
             recomputed_tokens=recomputed, computed_passages=len(todo) - len(placed),
-            exact_passages=len(exact), restores=getattr(self.engine, "restores", 0) - before)
+            exact_passages=len(exact), restores=self.engine.restores - before)
 
     def store_missing(self, layout: PassageLayout) -> int:
         """Cache the request's passages that were not cached (after the answer: each is

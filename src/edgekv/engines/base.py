@@ -11,23 +11,44 @@ Prefill is *aligned*: tokens are evaluated in batches whose boundaries fall on m
 `align` (the cache's chunk size) in absolute position. The KV of chunk i is then computed by
 the same batch of the same shape whether the request was cold or warm, so strict reuse gives
 the same numbers as a cold run instead of "close enough".
+
+Capabilities beyond the protocol are explicit protocols too, each checked once, by
+`isinstance`, by whoever needs it, when it is constructed (never probed with `getattr`):
+
+- `ShiftableKV`: the adapter can place cached KV at another position (RoPE re-rotation), which
+  passage reuse needs; its `passage_engine()` builds a `PassageEngine` or raises
+  `UnsupportedLayout` with the model's reason (llama.cpp).
+- `WindowedKV`: the adapter knows each layer's attention span (`window`, a `WindowLayout`); a
+  hit then reads only the last window of sliding-window layers (llama.cpp).
+- `ModelFile`: the adapter runs a model file (`model_path`), whose stem names the served model
+  (llama.cpp, torch, onnx; not the fake engine).
+
+Every adapter has `n_vocab` (token ids are checked against it) and `token_bytes(token)` (a
+token's bytes, for streaming text that splits a UTF-8 character), besides `chat_template()`.
+`SequenceAdapter` (shared.py) gives `token_bytes` its default: the detokenized text's UTF-8.
+The capability protocols are `runtime_checkable`: structural, like `KVAdapter` (a test's
+adapter has a capability by having its members); the engines that have one also name it
+among their bases, so the type checker holds them to it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 
 from ..fragment import KVFragment
 from ..keys import ModelFingerprint
+from .window import WindowLayout
 
 if TYPE_CHECKING:
     from .constraint import Constraint
 
-__all__ = ["EngineCounters", "FragmentSpec", "Generation", "KVAdapter", "TokenCallback"]
+__all__ = ["EngineCounters", "FragmentSpec", "Generation", "KVAdapter", "KVRun", "ModelFile",
+           "PassageEngine", "ShiftableKV", "TokenCallback", "WindowedKV"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +130,11 @@ class KVAdapter(Protocol):
     @property
     def eos_token(self) -> int: ...
 
+    @property
+    def n_vocab(self) -> int:
+        """The vocabulary size: every token id is in [0, n_vocab)."""
+        ...
+
     def build_info(self) -> str:
         """What the engine's numerics depend on beyond the model: build, kernels, threads,
         attention path. The batch-invariance probe's answer is recorded under it."""
@@ -130,6 +156,11 @@ class KVAdapter(Protocol):
         ...
 
     def detokenize(self, tokens: Sequence[int]) -> str: ...
+
+    def token_bytes(self, token: int) -> bytes:
+        """One token's bytes (llama.cpp: its piece, which may be half a UTF-8 character;
+        elsewhere the UTF-8 of its text), so streamed text is decoded across tokens."""
+        ...
 
     def clear_kv_cache(self) -> None: ...
 
@@ -161,3 +192,65 @@ class KVAdapter(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+# -- capabilities beyond the protocol (module doc) -----------------------------------------
+
+
+class KVRun(Protocol):
+    """A run of a request's tokens for `PassageEngine.build`: cached KV, K already moved to
+    its new position, to restore, or, with `keys` None, tokens to compute
+    (`passages.PlacedRun`)."""
+
+    @property
+    def tokens(self) -> Sequence[int]: ...
+
+    @property
+    def keys(self) -> np.ndarray | None: ...  # [layer, token, n_embd_k]
+
+    @property
+    def values(self) -> np.ndarray | None: ...
+
+
+class PassageEngine(Protocol):
+    """What a `ShiftableKV` adapter offers passage reuse (`llamacpp_shift.LlamaCppPassages`)."""
+
+    # state restores done so far (each copies the whole context): reported per request
+    restores: int
+
+    def shift_keys(self, keys: np.ndarray, delta: int) -> np.ndarray:
+        """`keys[layer, token, width]` moved by `delta` positions."""
+        ...
+
+    def build(self, runs: Sequence[KVRun]) -> int:
+        """Extend the context by `runs` in order; return its new length."""
+        ...
+
+    def layer_kv(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """K and V [token, width] of one layer of what the engine holds."""
+        ...
+
+
+@runtime_checkable
+class ShiftableKV(Protocol):
+    """The adapter can place cached KV at another position (K re-rotated: RoPE shift)."""
+
+    def passage_engine(self) -> PassageEngine:
+        """The engine side of passage reuse; raises UnsupportedLayout with the reason where
+        this model's KV cannot be moved (sliding-window layers, M-RoPE, scaled RoPE)."""
+        ...
+
+
+@runtime_checkable
+class WindowedKV(Protocol):
+    """The adapter knows which layers attend through a sliding window, and how far."""
+
+    # each layer's attention span (no sliding-window layers: every layer global)
+    window: WindowLayout
+
+
+@runtime_checkable
+class ModelFile(Protocol):
+    """The adapter runs a model file; its stem is the model's name where none is given."""
+
+    model_path: Path

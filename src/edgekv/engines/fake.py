@@ -55,6 +55,10 @@ class FakeAdapter(SequenceAdapter):
     def eos_token(self) -> int:
         return 0
 
+    @property
+    def n_vocab(self) -> int:
+        return self.vocab
+
     def build_info(self) -> str:
         return f"fake/1 batch_variant={self.batch_variant}"
 

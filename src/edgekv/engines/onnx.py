@@ -22,7 +22,7 @@ import numpy as np
 from ..errors import EngineError, IncompatibleFragment
 from ..fragment import KVFragment
 from ..keys import ModelFingerprint, file_sha256
-from .base import EngineCounters, FragmentSpec
+from .base import EngineCounters, FragmentSpec, ModelFile
 from .hf import HFTokenizerAdapter
 from .layout import from_head_major, to_head_major
 from .models import require_architecture, resolve_model
@@ -93,11 +93,11 @@ def export_onnx(model_path: Path, out: Path) -> dict[str, Any]:
     os.replace(tmp, out)
     rope = getattr(cfg, "rope_parameters", None) or {}
     return {"model_type": cfg.model_type, "n_layer": n_layer, "n_head_kv": n_kv,
-            "head_dim": head_dim,
+            "head_dim": head_dim, "vocab_size": int(cfg.vocab_size),
             "rope_theta": rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))}
 
 
-class OnnxAdapter(HFTokenizerAdapter):
+class OnnxAdapter(HFTokenizerAdapter, ModelFile):
     def __init__(self, model_path: str | Path | None = None, *, n_ctx: int = 2048,
                  n_threads: int | None = None, memo_dir: Path | None = None) -> None:
         self.model_path = resolve_model(model_path, memo_dir)
@@ -134,6 +134,8 @@ class OnnxAdapter(HFTokenizerAdapter):
             engine=f"onnxruntime/{ort.__version__}",
             rope=f"base={float(meta['rope_theta']):g},dims={d}")
         self._n_ctx = n_ctx
+        # the embedding's rows; an export made before they were recorded: the tokenizer's
+        self.n_vocab = int(meta.get("vocab_size") or len(self._tok))
         self.counters = EngineCounters()
         self.weight_bytes = onnx_path.stat().st_size
         self.clear_kv_cache()

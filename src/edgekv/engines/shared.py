@@ -228,7 +228,8 @@ def build_fragments(specs: Sequence[FragmentSpec], fp: ModelFingerprint, ids: Se
 
 
 class SequenceAdapter:
-    """Bookkeeping shared by adapters that keep their own token list (fake, torch, onnx)."""
+    """Bookkeeping shared by adapters that keep their own token list (fake, torch, onnx), and
+    `token_bytes`'s default."""
 
     _ids: list[int]
     _n_ctx: int
@@ -244,6 +245,13 @@ class SequenceAdapter:
     @property
     def n_ctx(self) -> int:
         return self._n_ctx
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        raise NotImplementedError  # each adapter's own
+
+    def token_bytes(self, token: int) -> bytes:
+        """The UTF-8 of the token's text (`KVAdapter.token_bytes`)."""
+        return self.detokenize([int(token)]).encode("utf-8")
 
     def generate(self, logits: np.ndarray, max_tokens: int, *, temperature: float = 0.0,
                  seed: int = 0, keep_logits: bool = False, top_p: float = 1.0,

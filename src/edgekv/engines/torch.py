@@ -19,7 +19,7 @@ import numpy as np
 from ..errors import EngineError, IncompatibleFragment
 from ..fragment import KVFragment
 from ..keys import ModelFingerprint, file_sha256
-from .base import EngineCounters, FragmentSpec
+from .base import EngineCounters, FragmentSpec, ModelFile
 from .hf import HFTokenizerAdapter
 from .layout import from_head_major, to_head_major
 from .models import require_architecture, resolve_model
@@ -43,7 +43,7 @@ SUPPORTED_ARCHITECTURES = ("llama",)
 log = logging.getLogger(__name__)
 
 
-class TorchAdapter(HFTokenizerAdapter):
+class TorchAdapter(HFTokenizerAdapter, ModelFile):
     def __init__(self, model_path: str | Path | None = None, *, n_ctx: int = 2048,
                  n_threads: int | None = None, memo_dir: Path | None = None) -> None:
         self.model_path = resolve_model(model_path, memo_dir)
@@ -68,6 +68,7 @@ class TorchAdapter(HFTokenizerAdapter):
                 d, gguf_file=name, dtype=torch.float32).eval()
         cfg = self._model.config
         self._n_ctx = n_ctx
+        self.n_vocab = int(cfg.vocab_size)  # the embedding's rows
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         rope = getattr(cfg, "rope_parameters", None) or {}
         base = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
