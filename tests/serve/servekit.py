@@ -71,7 +71,7 @@ class ControlFake(ChatFake):
 
 
 @contextmanager
-def live_server(kv: EdgeKV | Any, *, model_id: str = "fake-model",
+def live_server(kv: EdgeKV | Any, *, model_id: str | None = "fake-model",
                 **options: Any) -> Iterator[str]:
     """Serve `kv` (an EdgeKV or a loader) with uvicorn on a free loopback port; yields the URL."""
     app = create_app(kv, model_id=model_id, options=ServeOptions(**options))

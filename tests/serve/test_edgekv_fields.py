@@ -315,3 +315,21 @@ def test_passage_metrics_and_approximate_count(pkv):
             post(url, CHAT, chat_body(documents=[DOC_A, DOC_B]))
         assert metric(url, "edgekv_passage_reused_tokens_total") > 0
         assert metric(url, "edgekv_approximate_requests_total") == 1
+
+
+def test_model_id_defaults_to_the_model_files_stem_and_a_loader_needs_one(kv):
+    from edgekv.serve import create_app
+
+    assert create_app(kv).state.server.model_id == "edgekv"  # the fake runs no model file
+    with pytest.raises(ValueError, match="model_id"):
+        create_app(lambda: kv)
+
+
+def test_token_ids_outside_the_adapters_vocabulary_are_refused(kv):
+    with live_server(kv) as url:
+        n = kv.adapter.n_vocab
+        msg = refused(post(url, COMPLETIONS, {"model": "fake-model", "prompt": [1, 2, n]}),
+                      "invalid_value", "prompt")
+        assert str(n) in msg
+        assert post(url, COMPLETIONS, {"model": "fake-model", "prompt": [1, 2, n - 1],
+                                       "max_tokens": 1}).status_code == 200

@@ -28,6 +28,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from ..cache import EdgeKV
+from ..engines.base import ModelFile
 from ..engines.constraint import Grammar
 from ..errors import ConfigError
 from ..prefetch import Prefetcher
@@ -70,11 +71,16 @@ class ServeOptions:
             raise ConfigError("an --api-key is empty; give non-empty keys")
 
 
-def create_app(kv: EdgeKV | Callable[[], EdgeKV], *, model_id: str,
+def create_app(kv: EdgeKV | Callable[[], EdgeKV], *, model_id: str | None = None,
                options: ServeOptions = ServeOptions(),
                on_load_error: Callable[[BaseException], None] | None = None) -> FastAPI:
-    """The app; `kv` is an EdgeKV or a loader. `model_id`: the name clients send (`edgekv
-    serve` gives the GGUF file's stem); /v1/models answers it before loading ends."""
+    """The app; `kv` is an EdgeKV or a loader. `model_id` (the name clients send) defaults to
+    the model file's stem (`ModelFile`); a loader needs it, since /v1/models answers before
+    loading ends."""
+    if model_id is None:
+        if not isinstance(kv, EdgeKV):
+            raise ValueError("create_app with a loader needs model_id")
+        model_id = kv.adapter.model_path.stem if isinstance(kv.adapter, ModelFile) else "edgekv"
     server = _Server(kv, model_id, options)
 
     @asynccontextmanager

@@ -71,7 +71,7 @@ async def http_error_response(request: Request, e: HTTPException) -> JSONRespons
     else:
         msg, code = str(e.detail), None
     return JSONResponse(APIError(e.status_code, msg, code=code).body(),
-                        status_code=e.status_code, headers=getattr(e, "headers", None))
+                        status_code=e.status_code, headers=e.headers)
 
 
 async def client_gone_response(request: Request, e: Exception) -> Response:

@@ -29,7 +29,7 @@ from .decode import IncrementalText
 from .errors import APIError, bad_request, from_library_error
 from .logprobs import LogprobRecorder, TokenLogprob
 from .metrics import ServeMetrics
-from .scheduler import Job
+from .scheduler import FinalEvent, Job
 from .tools import ToolCallOut, ToolPlan, ToolReply
 
 __all__ = ["Delta", "Finished", "GenRequest", "ServedModel", "Started"]
@@ -65,8 +65,7 @@ class Delta:
 
 
 @dataclass(frozen=True, slots=True)
-class Finished:
-    final = True  # the job's last event (see Job.next_event)
+class Finished(FinalEvent):  # the job's last event (see Job.next_event)
     text: str
     finish_reason: str
     prompt_tokens: int
@@ -100,7 +99,7 @@ class ServedModel:
                 self.chat = ChatTokenizer(a, self.chat_template)
             except EdgeKVError as e:  # completions still work
                 self._no_chat = f"{e}; send a raw prompt to /v1/completions instead"
-        self.n_vocab = _vocab_size(a)
+        self.n_vocab = a.n_vocab  # token-id prompts are checked against it
         self.anchor = tuple(a.tokenize("", add_bos=True))  # what passages are placed after
         self._tokenizing = threading.Lock()  # one tokenization at a time beside the worker
 
@@ -123,7 +122,7 @@ class ServedModel:
                 tokens = tuple(self.kv.adapter.tokenize(prompt))
         else:
             tokens = prompt
-            bad = [t for t in tokens if t < 0 or (self.n_vocab and t >= self.n_vocab)]
+            bad = [t for t in tokens if t < 0 or t >= self.n_vocab]
             if bad:
                 raise bad_request(f"token id {bad[0]} is outside the vocabulary "
                                   f"[0, {self.n_vocab}); send ids this model's tokenizer made",
@@ -252,18 +251,6 @@ class ServedModel:
                           passages=None if r.passages is None else r.passages.as_dict()))
 
     def _piece(self, token: int) -> bytes:
-        """A token's bytes: the adapter's own (llama.cpp's piece), else its text's."""
-        raw = getattr(self.kv.adapter, "token_bytes", None)
-        if raw is not None:
-            return bytes(raw(token))
-        return self.kv.adapter.detokenize([token]).encode("utf-8")
-
-
-def _vocab_size(adapter: object) -> int | None:
-    """The vocabulary size, where the adapter tells it (token-id prompts are checked then)."""
-    for name in ("n_vocab", "vocab", "_n_vocab"):
-        v = getattr(adapter, name, None)
-        v = v() if callable(v) else v
-        if isinstance(v, int) and v > 0:
-            return v
-    return None
+        """A token's bytes, as the engine has them (llama.cpp's piece: a part of a UTF-8
+        character stays bytes)."""
+        return self.kv.adapter.token_bytes(token)

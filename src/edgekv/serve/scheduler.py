@@ -26,9 +26,15 @@ from typing import Any
 from ..errorlog import log_internal_error
 from .errors import APIError
 
-__all__ = ["Job", "QueueFull", "Scheduler"]
+__all__ = ["FinalEvent", "Job", "QueueFull", "Scheduler"]
 
 log = logging.getLogger(__name__)
+
+
+class FinalEvent:
+    """The base of a job's last event (a result); an `APIError` is a last event too."""
+
+    __slots__ = ()
 
 
 class QueueFull(APIError):
@@ -59,7 +65,7 @@ class Job:
             get.cancel()
             return None
         event = get.result()
-        if isinstance(event, APIError) or getattr(event, "final", False):
+        if isinstance(event, (APIError, FinalEvent)):
             self.done = True
         return event
 
