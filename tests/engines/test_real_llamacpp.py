@@ -77,6 +77,49 @@ def test_token_and_layer_range_fragments_reassemble_bit_identical(adapter):
     assert adapter.token_ids == context_tokens(adapter, 256)
 
 
+def test_capabilities_and_the_public_llama_cpp_surface(adapter):
+    """The protocols llama.cpp has, and the surface passage placement and the probe use:
+    restore_cells keeps what is held and appends cells, bit for bit; decode is a raw batch;
+    rope_info describes SmolLM2's plain RoPE."""
+    from edgekv.engines.base import KVAdapter, ModelFile, ShiftableKV, WindowedKV
+    from edgekv.engines.llamacpp_state import Cells
+
+    assert isinstance(adapter, KVAdapter)
+    assert isinstance(adapter, ShiftableKV | WindowedKV | ModelFile)
+    assert adapter.n_vocab == 49152 and adapter.window.swa_layers == ()
+    assert adapter.model_path == MODEL
+    ids = adapter.tokenize(" caf\u00e9", add_bos=False)
+    assert b"".join(adapter.token_bytes(t) for t in ids) == " caf\u00e9".encode()
+    info = adapter.rope_info()
+    assert (info.architecture, info.n_swa, info.rope_type, info.n_rot) == ("llama", 0, 0, 64)
+
+    toks = context_tokens(adapter, 256)
+    adapter.clear_kv_cache()
+    adapter.prefill(toks, align=128)
+    whole = adapter.read_state()
+    k, v = np.array(whole.keys[:, 128:]), np.array(whole.values[:, 128:])
+    adapter.clear_kv_cache()
+    adapter.prefill(toks[:128], align=128)
+    n = adapter.restore_cells([Cells(128, toks[128:], k, v, range(30))], 256,
+                              keep=adapter.read_state())
+    assert n == 256 and adapter.token_ids == toks
+    assert np.array_equal(adapter.read_state().keys, whole.keys)
+    # a raw decode of the next token sees what `prefill` of it sees after the same restore
+    part = [Cells(128, toks[128:255], k[:, :127], v[:, :127], range(30))]
+    adapter.restore_cells(part, 255, keep=_held(adapter, toks[:128]))
+    (raw,) = adapter.decode([(toks[255], 255, 0, True)])
+    adapter.restore_cells(part, 255, keep=_held(adapter, toks[:128]))
+    assert np.array_equal(raw, adapter.prefill(toks[255:], align=128))
+    adapter.clear_kv_cache()
+
+
+def _held(adapter, toks):
+    """What the engine holds after computing `toks` from an empty context."""
+    adapter.clear_kv_cache()
+    adapter.prefill(toks, align=128)
+    return adapter.read_state()
+
+
 def test_strided_fragment_is_refused_for_injection(adapter):
     adapter.clear_kv_cache()
     adapter.prefill(context_tokens(adapter, 128), align=128)

@@ -11,6 +11,14 @@ injection. KV and logits go through llama-cpp-python's low-level C bindings on `
 logits unless it was built with `logits_all=True` (which costs a full vocabulary row per
 prompt token), and `Llama.eval` does not return them, so the last token's logits are read
 from the context right after `eval`.
+
+The adapter's public llama.cpp surface, which the rest of EdgeKV (passage placement in
+`llamacpp_shift`, the batch-invariance probe) uses instead of its llama.cpp objects:
+`read_state` / `read_state_blob` (the sequence's KV), `restore_cells` (the one state restore:
+injection, append and passage placement all write through it), `rope_info` (how the model
+rotates K), `decode` (a raw batch at chosen positions and sequence ids), `shift_cells`
+(llama.cpp's own K-shift), `sequence_context` (a second context of the same model for several
+sequences) and `library_dir` (the native build loaded).
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import numpy as np
@@ -27,9 +36,18 @@ import numpy as np
 from ..errors import EngineError, IncompatibleFragment, UnsupportedLayout
 from ..fragment import KVFragment
 from ..keys import ModelFingerprint, file_sha256
-from .base import EngineCounters, FragmentSpec, Generation, TokenCallback
+from .base import (
+    EngineCounters,
+    FragmentSpec,
+    Generation,
+    ModelFile,
+    ShiftableKV,
+    TokenCallback,
+    WindowedKV,
+)
 from .constraint import Constraint, Grammar
-from .llamacpp_state import SeqState, SeqStateWriter, parse_seq_state
+from .llamacpp_shift import LlamaCppPassages, RopeInfo
+from .llamacpp_state import CellBlock, SeqState, SeqStateWriter, parse_seq_state
 from .models import resolve_model
 from .shared import (
     aligned_batches,
@@ -41,7 +59,7 @@ from .shared import (
 )
 from .window import window_layout
 
-__all__ = ["LlamaCppAdapter"]
+__all__ = ["BatchItem", "LlamaCppAdapter", "SequenceContext"]
 
 log = logging.getLogger(__name__)
 _KV_TYPES = {0: "f32", 1: "f16"}
@@ -61,6 +79,58 @@ _GEMMA_TEMPLATE = (
 _FAMILY_TEMPLATES = {"gemma3": _GEMMA_TEMPLATE}
 
 
+# one token of a raw batch: (token, position, sequence id, wants its logits)
+BatchItem = tuple[int, int, int, bool]
+
+
+def _decode(lib: Any, ctx: Any, items: Sequence[BatchItem], n_vocab: int) -> list[np.ndarray]:
+    """`llama_decode` of one batch; the logits of the items that asked for them (copies)."""
+    n_seq = max((seq for _, _, seq, _ in items), default=0) + 1
+    batch = lib.llama_batch_init(max(1, len(items)), 0, n_seq)
+    try:
+        batch.n_tokens = len(items)
+        for i, (tok, pos, seq, want) in enumerate(items):
+            batch.token[i] = int(tok)
+            batch.pos[i] = int(pos)
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = int(seq)
+            batch.logits[i] = 1 if want else 0
+        if (rc := lib.llama_decode(ctx, batch)) != 0:
+            raise EngineError(f"llama_decode returned {rc}")
+        return [np.array(np.ctypeslib.as_array(lib.llama_get_logits_ith(ctx, i),
+                                               shape=(n_vocab,)), dtype=np.float32, copy=True)
+                for i, (_, _, _, want) in enumerate(items) if want]
+    finally:
+        lib.llama_batch_free(batch)
+
+
+class SequenceContext:
+    """A second llama.cpp context over the adapter's model, for several sequences at once
+    (`LlamaCppAdapter.sequence_context`); freed by `close` or on leaving a `with` block."""
+
+    def __init__(self, lib: Any, ctx: Any, n_vocab: int) -> None:
+        self._lib, self._ctx, self.n_vocab = lib, ctx, n_vocab
+
+    def decode(self, items: Sequence[BatchItem]) -> list[np.ndarray]:
+        """One batch (`BatchItem`s, any sequence ids below the context's n_seq_max); the
+        logits of the items that asked for them."""
+        if self._ctx is None:
+            raise EngineError("the sequence context is closed")
+        return _decode(self._lib, self._ctx, items, self.n_vocab)
+
+    def close(self) -> None:
+        ctx, self._ctx = self._ctx, None
+        if ctx is not None:
+            self._lib.llama_free(ctx)
+
+    def __enter__(self) -> SequenceContext:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
 def _import_llama() -> Any:
     try:
         import llama_cpp
@@ -71,7 +141,7 @@ def _import_llama() -> Any:
     return llama_cpp
 
 
-class LlamaCppAdapter:
+class LlamaCppAdapter(ShiftableKV, WindowedKV, ModelFile):
     """One llama.cpp context over one model, holding one sequence (seq 0)."""
 
     def __init__(self, model_path: str | Path | None = None, *, n_ctx: int = 2048,
@@ -89,7 +159,7 @@ class LlamaCppAdapter:
         except (ValueError, RuntimeError) as e:
             raise EngineError(f"llama.cpp could not load {self.model_path}: {e}") from e
         self._ctx = self._llm.ctx  # the llama_context the C bindings take
-        self._n_vocab = self._llm.n_vocab()
+        self.n_vocab = int(self._llm.n_vocab())
         self._controls: dict[str, int] | None = None  # control_tokens(), read once
         self._grammar_blocked: np.ndarray | None = None  # grammar_constraint(), read once
         try:
@@ -196,7 +266,7 @@ class LlamaCppAdapter:
             vocab = lib.llama_model_get_vocab(self._llm.model)
             wanted = lib.LLAMA_TOKEN_ATTR_CONTROL | lib.LLAMA_TOKEN_ATTR_UNKNOWN
             found: dict[str, int] = {}
-            for i in range(self._n_vocab):
+            for i in range(self.n_vocab):
                 if lib.llama_vocab_get_attr(vocab, i) & wanted:
                     text = lib.llama_vocab_get_text(vocab, i)
                     if text:
@@ -220,7 +290,7 @@ class LlamaCppAdapter:
             self._llm.eval(toks[lo - base : hi - base])
             self.counters.add_batch(lo, hi)
         logits = np.ctypeslib.as_array(self._lib.llama_get_logits(self._ctx),
-                                        shape=(self._n_vocab,))
+                                        shape=(self.n_vocab,))
         return np.array(logits, dtype=np.float32, copy=True)
 
     def generate(self, logits: np.ndarray, max_tokens: int, *, temperature: float = 0.0,
@@ -236,10 +306,10 @@ class LlamaCppAdapter:
         from .llamacpp_grammar import LlamaGrammarConstraint, blocked_tokens
 
         if self._grammar_blocked is None:
-            self._grammar_blocked = blocked_tokens(self._lib, self._llm.model, self._n_vocab,
+            self._grammar_blocked = blocked_tokens(self._lib, self._llm.model, self.n_vocab,
                                                    self.eos_token)
         return LlamaGrammarConstraint(self._lib, self._llm.model, grammar,
-                                      n_vocab=self._n_vocab, blocked=self._grammar_blocked)
+                                      n_vocab=self.n_vocab, blocked=self._grammar_blocked)
 
     def token_bytes(self, token: int) -> bytes:
         """The token's piece as bytes (half a UTF-8 character, where it holds one)."""
@@ -295,8 +365,7 @@ class LlamaCppAdapter:
         n = injection_length(fragments, self.fingerprint, limit, self.window)
         if n > self.n_ctx:
             raise IncompatibleFragment(f"prefix of {n} tokens exceeds the context ({self.n_ctx})")
-        v_trans = self._v_trans if self._v_trans is not None else self._probe_v_trans()
-        return self._restore(n, fragments, v_trans)
+        return self.restore_cells(fragments, n)
 
     def append_fragments(self, fragments: Sequence[KVFragment]) -> int:
         """llama.cpp restores a sequence whole (`llama_state_seq_set_data`), so the held cells
@@ -309,7 +378,7 @@ class LlamaCppAdapter:
         old = self._state_buffer()
         state, ids = self.read_state(old), self.token_ids
         try:
-            return self._restore(end, fragments, state.v_trans, held=(state, ids))
+            return self.restore_cells(fragments, end, keep=state)
         except EngineError:
             read = self._lib.llama_state_seq_set_data(self._ctx, old, len(old), 0)
             if read == len(old):
@@ -317,10 +386,14 @@ class LlamaCppAdapter:
                 self._llm.n_tokens = held
             raise
 
-    def _restore(self, n: int, fragments: Sequence[KVFragment], v_trans: bool,
-                 held: tuple[SeqState, list[int]] | None = None) -> int:
-        """Replace the sequence with cells 0..n-1: the `held` state's cells first (if given),
-        then the fragments' tokens, written straight into the blob llama.cpp reads.
+    def restore_cells(self, blocks: Sequence[CellBlock], n: int, *,
+                      keep: SeqState | None = None) -> int:
+        """Replace the sequence with cells 0..n-1: the cells of `keep` first (what the engine
+        holds, as `read_state` returned it, with its token ids), then the blocks' cells (a
+        `KVFragment` is a block), written straight into the blob llama.cpp reads; blocks past
+        n are cut. Returns n. If llama.cpp refuses the blob the context is cleared and
+        EngineError raised. Every state restore of the adapter goes through here (injection,
+        append, passage placement).
 
         Local (sliding-window) layers get only the last window, [n - n_swa, n): that is all the
         tokens after n attend to. With `swa_full` their cache still gets cells for every
@@ -328,6 +401,10 @@ class LlamaCppAdapter:
         weigh exactly 0), and the cells sit where a cold run puts them, so attention sums in
         the same order as cold."""
         fp, win = self.fingerprint, self.window
+        if keep is not None and keep.n_tokens:
+            v_trans = keep.v_trans
+        else:
+            v_trans = self._v_trans if self._v_trans is not None else self._probe_v_trans()
         swa_start = 0 if self.swa_full else max(0, n - win.n_swa)
         sections = ([(win.global_layers, 0), (win.swa_layers, swa_start)] if win.swa_layers
                     else None)
@@ -344,14 +421,13 @@ class LlamaCppAdapter:
             writer.v(layer)[at : at + len(v)] = v
 
         ids = np.empty(n, np.int32)
-        if held is not None:
-            state, held_ids = held
-            m = state.n_tokens
-            ids[:m] = held_ids
+        if keep is not None:
+            m = keep.n_tokens
+            ids[:m] = self.token_ids[:m]
             for layer in range(fp.n_layer):
                 lo = min(m, win.needed_from(layer, n))
-                put(layer, lo, *state.layer_kv(layer, slice(lo, m)))
-        for f in fragments:
+                put(layer, lo, *keep.layer_kv(layer, slice(lo, m)))
+        for f in blocks:
             if f.token_start >= n:
                 continue
             end = min(f.token_end, n)
@@ -397,10 +473,63 @@ class LlamaCppAdapter:
         if llm is not None:
             llm.close()
 
-    def passage_engine(self) -> Any:
-        """Passage reuse's engine side (`llamacpp_shift.LlamaCppPassages`): K re-rotated to
-        new positions, contexts built from cached and computed runs. Raises UnsupportedLayout
-        with the reason where the model's RoPE or attention cannot be shifted (SWA, M-RoPE)."""
-        from .llamacpp_shift import LlamaCppPassages
+    # -- the public llama.cpp surface beyond KVAdapter (module doc) ------------------------
 
+    def passage_engine(self) -> LlamaCppPassages:
+        """`ShiftableKV`: passage reuse's engine side (`llamacpp_shift.LlamaCppPassages`): K
+        re-rotated to new positions, contexts built from cached and computed runs. Raises
+        UnsupportedLayout with the reason where the model's RoPE or attention cannot be
+        shifted (SWA, M-RoPE)."""
         return LlamaCppPassages(self)
+
+    def rope_info(self) -> RopeInfo:
+        """How the model rotates K, as llama.cpp loaded it (`llamacpp_shift.rope_spec` says
+        whether that can be shifted)."""
+        lib, model, md = self._lib, self._llm.model, self._llm.metadata
+        arch = md.get("general.architecture", "unknown")
+        return RopeInfo(
+            architecture=arch, n_swa=int(lib.llama_model_n_swa(model)),
+            rope_type=int(lib.llama_model_rope_type(model)),
+            scaling=str(md.get(f"{arch}.rope.scaling.type", "none")).lower(),
+            n_rot=int(md.get(f"{arch}.rope.dimension_count", self.fingerprint.head_dim_k)),
+            freq_base=float(md.get(f"{arch}.rope.freq_base", 10000.0)),
+            freq_scale=float(lib.llama_model_rope_freq_scale_train(model)))
+
+    def decode(self, items: Sequence[BatchItem]) -> list[np.ndarray]:
+        """One raw batch in this context, at the positions and sequence ids given (llama.cpp
+        takes any first position in an empty context, then only the next one); the logits
+        of the items that asked for them. The token bookkeeping (`n_tokens`, `token_ids`)
+        is not kept: a reference for tests and probes, not a way to extend the context."""
+        return _decode(self._lib, self._ctx, items, self.n_vocab)
+
+    def shift_cells(self, delta: int) -> None:
+        """llama.cpp's own K-shift: every cell of seq 0 moved by `delta` positions
+        (`llama_memory_seq_add`; K is re-rotated at the next decode)."""
+        lib = self._lib
+        mem = lib.llama_get_memory(self._ctx)
+        if not lib.llama_memory_can_shift(mem):
+            raise UnsupportedLayout("this llama.cpp context cannot shift its KV cells")
+        lib.llama_memory_seq_add(mem, 0, -1, -1, delta)
+
+    def sequence_context(self, n_seq: int, n_tokens: int, *, unified: bool) -> SequenceContext:
+        """A second context of this model (this one's parameters) holding `n_seq` sequences
+        and `n_tokens` tokens in all, in one batch if need be; `unified`: one KV cache for
+        every sequence (llama.cpp's kv_unified), else one KV stream per sequence."""
+        src = self._llm.context_params
+        params = type(src)()
+        ctypes.memmove(ctypes.byref(params), ctypes.byref(src), ctypes.sizeof(src))
+        params.n_seq_max = n_seq
+        params.n_ctx = max(1024, n_tokens + 64)
+        params.n_batch = max(int(src.n_batch), n_tokens)
+        params.kv_unified = unified
+        ctx = self._lib.llama_init_from_model(self._llm.model, params)
+        if not ctx:
+            raise EngineError("llama.cpp could not create a second context for "
+                              f"{n_seq} sequences")
+        return SequenceContext(self._lib, ctx, self.n_vocab)
+
+    def library_dir(self) -> Path | None:
+        """The folder of the llama-cpp-python package's native libraries (where
+        LLAMA_CPP_LIB_PATH is not set), None if the package has no file."""
+        f = getattr(self._lib, "__file__", None)
+        return Path(f).parent / "lib" if f else None

@@ -15,27 +15,77 @@ V carries no position, so it moves unchanged. The rotation follows ggml's `rope_
 SmolLM2), NEOX pairs (i, i + n_rot/2) (Qwen, Gemma, Phi); only the first `n_rot` dimensions of
 each head turn. Anything else (M-RoPE, YaRN or other scaled RoPE, sliding-window layers) is
 refused by `rope_spec` with the reason.
+
+The adapter is reached only through its public llama.cpp surface (`LlamaBoundary`, the part
+of `LlamaCppAdapter` used here): `rope_info`, `read_state`, `read_state_blob`,
+`restore_cells` (the adapter's one state restore), `decode` and `shift_cells`.
 """
 
 from __future__ import annotations
 
-import ctypes
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
 
 from ..errors import EngineError, UnsupportedLayout
-from .llamacpp_state import SeqStateWriter, parse_seq_state
+from ..keys import ModelFingerprint
+from .base import KVRun
+from .llamacpp_state import CellBlock, Cells, SeqState, parse_seq_state
 
-if TYPE_CHECKING:
-    from .llamacpp import LlamaCppAdapter
+__all__ = ["LlamaBoundary", "LlamaCppPassages", "PlacedRun", "RopeInfo", "RopeSpec",
+           "rope_spec"]
 
-__all__ = ["LlamaCppPassages", "PlacedRun", "RopeSpec", "rope_spec"]
+PlacedRun = KVRun  # the runs `LlamaCppPassages.build` takes (`passages.PlacedRun`)
 
 _STYLES = {0: "norm", 2: "neox"}  # LLAMA_ROPE_TYPE_NORM, LLAMA_ROPE_TYPE_NEOX
+
+
+@dataclass(frozen=True, slots=True)
+class RopeInfo:
+    """How a model rotates K, as llama.cpp loaded it (`LlamaCppAdapter.rope_info`)."""
+
+    architecture: str
+    n_swa: int  # sliding window (0: none)
+    rope_type: int  # llama.cpp's LLAMA_ROPE_TYPE_* (-1: no RoPE)
+    scaling: str  # the GGUF's rope.scaling.type, lower case ("none" if absent)
+    n_rot: int  # rotated dimensions per head
+    freq_base: float
+    freq_scale: float  # llama_model_rope_freq_scale_train
+
+
+class LlamaBoundary(Protocol):
+    """The part of `LlamaCppAdapter`'s public surface that passage placement uses."""
+
+    fingerprint: ModelFingerprint
+
+    @property
+    def n_tokens(self) -> int: ...
+
+    @property
+    def token_ids(self) -> list[int]: ...
+
+    @property
+    def n_ctx(self) -> int: ...
+
+    def clear_kv_cache(self) -> None: ...
+
+    def prefill(self, tokens: Sequence[int], *, align: int) -> np.ndarray: ...
+
+    def rope_info(self) -> RopeInfo: ...
+
+    def read_state(self) -> SeqState: ...
+
+    def read_state_blob(self) -> bytes: ...
+
+    def restore_cells(self, blocks: Sequence[CellBlock], n: int, *,
+                      keep: SeqState | None = None) -> int: ...
+
+    def decode(self, items: Sequence[tuple[int, int, int, bool]]) -> list[np.ndarray]: ...
+
+    def shift_cells(self, delta: int) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,56 +132,36 @@ class RopeSpec:
         return out.reshape(keys.shape).astype(keys.dtype)
 
 
-def rope_spec(adapter: LlamaCppAdapter) -> RopeSpec:
+def rope_spec(adapter: LlamaBoundary) -> RopeSpec:
     """The model's RoPE as a `RopeSpec`, or `UnsupportedLayout` saying why its passages cannot
     be moved: sliding-window layers (their cells are dropped as the window moves, so a
     passage's cached KV is not what the layer attends to), M-RoPE / vision RoPE (positions are
     several numbers per token), scaled RoPE other than linear (YaRN, LongRoPE: the rotation is
     not a plain delta), models without RoPE."""
-    lib, model, md = adapter._lib, adapter._llm.model, adapter._llm.metadata
-    arch = md.get("general.architecture", "unknown")
-    if int(lib.llama_model_n_swa(model)) > 0:
+    info = adapter.rope_info()
+    arch, rtype, scaling = info.architecture, info.rope_type, info.scaling
+    if info.n_swa > 0:
         raise UnsupportedLayout(
             f"{arch} has sliding-window attention layers (window "
-            f"{int(lib.llama_model_n_swa(model))}); passage reuse needs every layer to keep "
+            f"{info.n_swa}); passage reuse needs every layer to keep "
             "every cell. Use strict prefix reuse for this model")
-    rtype = int(lib.llama_model_rope_type(model))
     if rtype not in _STYLES:
         what = {-1: "no RoPE", 8: "M-RoPE", 40: "interleaved M-RoPE", 24: "vision RoPE"}
         raise UnsupportedLayout(
             f"{arch} uses {what.get(rtype, f'RoPE type {rtype}')}; passage reuse can only "
             "re-rotate plain (normal or NEOX) RoPE. Use strict prefix reuse for this model")
-    scaling = str(md.get(f"{arch}.rope.scaling.type", "none")).lower()
     if scaling not in ("none", "linear"):
         raise UnsupportedLayout(f"{arch} uses {scaling} RoPE scaling; passage reuse re-rotates "
                                 "only unscaled or linearly scaled RoPE")
-    fp = adapter.fingerprint
-    return RopeSpec(
-        style=_STYLES[rtype],
-        n_rot=int(md.get(f"{arch}.rope.dimension_count", fp.head_dim_k)),
-        head_dim=fp.head_dim_k,
-        freq_base=float(md.get(f"{arch}.rope.freq_base", 10000.0)),
-        freq_scale=float(lib.llama_model_rope_freq_scale_train(model)))
-
-
-class PlacedRun(Protocol):
-    """A run of a request's tokens (`passages.PlacedRun`): cached KV, K already at its new
-    position, to restore, or, with `keys` None, tokens to compute here."""
-
-    @property
-    def tokens(self) -> Sequence[int]: ...
-
-    @property
-    def keys(self) -> np.ndarray | None: ...  # [layer, token, n_embd_k]
-
-    @property
-    def values(self) -> np.ndarray | None: ...
+    return RopeSpec(style=_STYLES[rtype], n_rot=info.n_rot,
+                    head_dim=adapter.fingerprint.head_dim_k, freq_base=info.freq_base,
+                    freq_scale=info.freq_scale)
 
 
 class LlamaCppPassages:
     """Builds a context from cached runs and computed runs, in order (see the module doc)."""
 
-    def __init__(self, adapter: LlamaCppAdapter) -> None:
+    def __init__(self, adapter: LlamaBoundary) -> None:
         self.adapter = adapter
         self.rope = rope_spec(adapter)
         self.restores = 0  # state blobs written (each one copies the whole context)
@@ -167,38 +197,21 @@ class LlamaCppPassages:
         """Evaluate `tokens` at positions start, start+1, ... (in an empty context, where
         llama.cpp takes any first position, unless `clear` is False): the reference for
         "computed at p" in the shift tests. The adapter's token bookkeeping is not kept."""
-        a, lib = self.adapter, self.adapter._lib
         if clear:
-            a.clear_kv_cache()
+            self.adapter.clear_kv_cache()
         n = len(tokens)
-        batch = lib.llama_batch_init(n, 0, 1)
-        try:
-            for i, t in enumerate(tokens):
-                batch.token[i] = int(t)
-                batch.pos[i] = start + i
-                batch.n_seq_id[i] = 1
-                batch.seq_id[i][0] = 0
-                batch.logits[i] = i == n - 1
-            batch.n_tokens = n
-            if (rc := lib.llama_decode(a._ctx, batch)) != 0:
-                raise EngineError(f"llama_decode returned {rc}")
-        finally:
-            lib.llama_batch_free(batch)
+        self.adapter.decode([(int(t), start + i, 0, i == n - 1) for i, t in enumerate(tokens)])
 
     def llama_shift(self, delta: int) -> None:
         """llama.cpp's own K-shift: every cell of seq 0 moved by `delta` positions
         (`llama_memory_seq_add`; K is re-rotated at the next decode). The reference the
         rotation here is tested against."""
-        lib = self.adapter._lib
-        mem = lib.llama_get_memory(self.adapter._ctx)
-        if not lib.llama_memory_can_shift(mem):
-            raise UnsupportedLayout("this llama.cpp context cannot shift its KV cells")
-        lib.llama_memory_seq_add(mem, 0, -1, -1, delta)
+        self.adapter.shift_cells(delta)
 
     def positions_kv(self) -> tuple[np.ndarray, np.ndarray]:
         """All cells' positions and K [layer, cell, width] as llama.cpp holds them, whatever
         their positions (`read_state` wants 0..n-1; `decode_at` leaves others)."""
-        buf = self.adapter._state_buffer()
+        buf = self.adapter.read_state_blob()
         pos = _cell_positions(memoryview(buf))
         n = len(pos)
         if not n:
@@ -215,43 +228,22 @@ class LlamaCppPassages:
     # -- private helpers -----------------------------------------------------------------
 
     def _restore(self, runs: Sequence[PlacedRun]) -> None:
-        """Replace the sequence with what it holds followed by `runs` (one blob)."""
+        """Replace the sequence with what it holds followed by `runs` (one blob, written by
+        the adapter's own restore)."""
         a = self.adapter
-        fp = a.fingerprint
         held = a.n_tokens
-        ids = a.token_ids
         state = a.read_state() if held else None
-        v_trans = (state.v_trans if state is not None else
-                   a._v_trans if a._v_trans is not None else a._probe_v_trans())
         n = held + sum(len(r.tokens) for r in runs)
         if n > a.n_ctx:
             raise EngineError(f"{n} tokens exceed the context window ({a.n_ctx})")
-        dtype = np.dtype(np.float16 if fp.kv_dtype == "f16" else np.float32)
-        w = SeqStateWriter(fp.n_layer, n, fp.n_embd_k, fp.n_embd_v, dtype, v_trans=v_trans)
-        for layer in range(fp.n_layer):
-            k, v = w.k(layer), w.v(layer)
-            if state is not None:
-                k[:held] = state.keys[layer]
-                v[:held] = state.values[layer]
-            pos = held
-            for r in runs:
-                assert r.keys is not None and r.values is not None
-                m = len(r.tokens)
-                k[pos : pos + m] = r.keys[layer]
-                v[pos : pos + m] = r.values[layer]
-                pos += m
+        layers = range(a.fingerprint.n_layer)
+        blocks: list[Cells] = []
+        pos = held
         for r in runs:
-            ids.extend(int(t) for t in r.tokens)
-        blob = w.blob
-        a.clear_kv_cache()
-        src = (ctypes.c_uint8 * len(blob)).from_buffer(blob)
-        read = a._lib.llama_state_seq_set_data(a._ctx, src, len(blob), 0)
-        if read != len(blob):
-            a.clear_kv_cache()
-            raise EngineError(f"llama.cpp refused the placed passages ({read} of {len(blob)} "
-                              "bytes read); the context is cleared")
-        a._llm.input_ids[:n] = ids
-        a._llm.n_tokens = n
+            assert r.keys is not None and r.values is not None
+            blocks.append(Cells(pos, [int(t) for t in r.tokens], r.keys, r.values, layers))
+            pos += len(r.tokens)
+        a.restore_cells(blocks, n, keep=state)
         self.restores += 1
 
 

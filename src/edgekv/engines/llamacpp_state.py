@@ -31,13 +31,14 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from ..errors import UnsupportedLayout
 
-__all__ = ["SEQ_MAGIC", "KVSection", "SeqState", "SeqStateWriter", "assemble_seq_state",
-           "parse_seq_state"]
+__all__ = ["SEQ_MAGIC", "CellBlock", "Cells", "KVSection", "SeqState", "SeqStateWriter",
+           "assemble_seq_state", "parse_seq_state"]
 
 SEQ_MAGIC = 0xAF143CD8
 # GGML_TYPE_F32, GGML_TYPE_F16
@@ -100,6 +101,45 @@ class SeqState:
                 i, lo, hi = s.layers.index(layer), tok.start - s.start, tok.stop - s.start
                 return s.keys[i, lo:hi], s.values[i, lo:hi]
         raise UnsupportedLayout(f"layer {layer} is in no KV cache of the state")
+
+
+class CellBlock(Protocol):
+    """Cells to write into a restored sequence (`LlamaCppAdapter.restore_cells`): positions
+    [token_start, token_end) of the layers `layer_indices`, keys/values[i, token, width] for
+    layer `layer_indices[i]`. A `KVFragment` is one; `Cells` is the plain one."""
+
+    @property
+    def token_start(self) -> int: ...
+
+    @property
+    def token_end(self) -> int: ...
+
+    @property
+    def token_ids(self) -> Sequence[int] | np.ndarray: ...
+
+    @property
+    def layer_indices(self) -> Sequence[int]: ...
+
+    @property
+    def keys(self) -> np.ndarray: ...
+
+    @property
+    def values(self) -> np.ndarray: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Cells:
+    """A `CellBlock` of every layer (`range(n_layer)`) or of the layers given."""
+
+    token_start: int
+    token_ids: Sequence[int]
+    keys: np.ndarray  # [layer, token, n_embd_k]
+    values: np.ndarray
+    layer_indices: Sequence[int]
+
+    @property
+    def token_end(self) -> int:
+        return self.token_start + len(self.token_ids)
 
 
 class _Reader:

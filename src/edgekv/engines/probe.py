@@ -44,6 +44,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -54,6 +55,14 @@ __all__ = ["ProbeResult", "Schedule", "load_or_probe", "measure_prefill", "probe
            "probe_key", "recorded_probes"]
 
 log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class NativeEngine(Protocol):
+    """An adapter over native libraries it can name (`LlamaCppAdapter.library_dir`)."""
+
+    def library_dir(self) -> Path | None: ...
+
 
 PROBE_TOKENS = 280  # crosses a 128-token chunk boundary twice and the 256-cell KV padding
 # the long prompt: 2,000+ tokens (issue 20) inside the default 2,048-token context, so four
@@ -166,10 +175,10 @@ def _kernel_env() -> dict[str, str]:
 def _engine_libraries(adapter: KVAdapter) -> str:
     """Which native libraries the engine loaded (name, size, mtime of each): two builds with
     the same feature line (a patched and a stock one) must not share an answer."""
-    lib = getattr(adapter, "_lib", None)
     folder = os.environ.get("LLAMA_CPP_LIB_PATH")
-    if not folder and lib is not None and getattr(lib, "__file__", None):
-        folder = str(Path(lib.__file__).parent / "lib")
+    if not folder and isinstance(adapter, NativeEngine):
+        found = adapter.library_dir()
+        folder = str(found) if found is not None else None
     if not folder or not Path(folder).is_dir():
         return ""
     files = sorted(Path(folder).glob("lib*.so*"))

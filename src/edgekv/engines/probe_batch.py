@@ -19,23 +19,46 @@ only flash attention's one-row path did (`GGML_CPU_USE_REF=1`), because every SI
 over the KV axis (softmax sums, V·softmax, the tiled flash-attention KV tiles) groups a
 sequence's cells differently when other sequences' cells sit between them.
 
-Engine-specific (llama.cpp sequence ids); other engines have no such schedule, and the probe
-then says so in its record.
+Engine-specific (llama.cpp sequence ids): an adapter that can run it is a `MultiSequenceKV`
+(`LlamaCppAdapter.sequence_context`); other engines have no such schedule, and the probe then
+says so in its record.
 """
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Sequence
-from typing import Any
+from types import TracebackType
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from ..errors import EngineError
 
-__all__ = ["MULTI_SEQ_STEPS", "multi_sequence_prompts", "multi_sequence_diff"]
+__all__ = ["MULTI_SEQ_STEPS", "MultiSequenceKV", "multi_sequence_diff", "multi_sequence_prompts"]
 
 MULTI_SEQ_STEPS = 4  # decode steps after the prompts, as in the single-sequence probe
+
+
+class SequenceDecoder(Protocol):
+    """A context holding several sequences (`llamacpp.SequenceContext`)."""
+
+    def decode(self, items: Sequence[tuple[int, int, int, bool]]) -> list[np.ndarray]:
+        """One batch of (token, position, sequence id, wants logits); the logits asked for."""
+        ...
+
+    def __enter__(self) -> SequenceDecoder: ...
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None,
+                 tb: TracebackType | None) -> None: ...
+
+
+@runtime_checkable
+class MultiSequenceKV(Protocol):
+    """An adapter that can decode several sequences in one batch, in a second context of its
+    model (`LlamaCppAdapter.sequence_context`)."""
+
+    def sequence_context(self, n_seq: int, n_tokens: int, *,
+                         unified: bool) -> SequenceDecoder: ...
 
 
 def multi_sequence_prompts(tokens: Sequence[int]) -> list[tuple[list[int], list[int]]]:
@@ -64,65 +87,27 @@ def multi_sequence_diff(adapter: Any, tokens: Sequence[int], *,
     the adapter is not a llama.cpp one (no sequence ids to batch). `unified`: one KV cache for
     every sequence (llama.cpp's kv_unified, where a sequence's cells follow the others'), else
     one KV stream per sequence."""
-    llm = getattr(adapter, "_llm", None)
-    lib = getattr(adapter, "_lib", None)
-    if llm is None or lib is None or not hasattr(lib, "llama_batch_init"):
+    if not isinstance(adapter, MultiSequenceKV):
         return None
     seqs = multi_sequence_prompts(tokens)
     layout = "unified KV" if unified else "a KV stream each"
     name = (f"{len(seqs)} sequences in one batch, {layout} (prompts, {MULTI_SEQ_STEPS} "
             "decode steps)")
     ref = [_alone(adapter, p, s) for p, s in seqs]
-
-    src = llm.context_params
-    params = type(src)()
-    ctypes.memmove(ctypes.byref(params), ctypes.byref(src), ctypes.sizeof(src))
     total = sum(len(p) + len(s) for p, s in seqs)
-    params.n_seq_max = len(seqs)
-    params.n_ctx = max(1024, total + 64)
-    params.n_batch = max(int(src.n_batch), total)
-    params.kv_unified = unified
-    ctx = lib.llama_init_from_model(llm.model, params)
-    if not ctx:
-        raise EngineError("llama.cpp could not create the multi-sequence probe context")
-    n_vocab = int(adapter._n_vocab)
-    batch = lib.llama_batch_init(max(total, len(seqs)), 0, len(seqs))
     diff, same = 0.0, True
-    try:
-        def decode(items: list[tuple[int, int, int, bool]]) -> list[np.ndarray]:
-            """items: (token, position, sequence id, wants logits)."""
-            batch.n_tokens = len(items)
-            for i, (tok, pos, seq, want) in enumerate(items):
-                batch.token[i] = tok
-                batch.pos[i] = pos
-                batch.n_seq_id[i] = 1
-                batch.seq_id[i][0] = seq
-                batch.logits[i] = 1 if want else 0
-            rc = lib.llama_decode(ctx, batch)
-            if rc != 0:
-                raise EngineError(f"llama_decode returned {rc} in the multi-sequence probe")
-            out = []
-            for i, (_, _, _, want) in enumerate(items):
-                if want:
-                    ptr = lib.llama_get_logits_ith(ctx, i)
-                    out.append(np.array(np.ctypeslib.as_array(ptr, shape=(n_vocab,)),
-                                        dtype=np.float32, copy=True))
-            return out
-
+    with adapter.sequence_context(len(seqs), total, unified=unified) as ctx:
         items = [(t, pos, s, pos == len(p) - 1)
                  for s, (p, _) in enumerate(seqs) for pos, t in enumerate(p)]
-        got = [[x] for x in decode(items)]
+        got = [[x] for x in ctx.decode(items)]
         for step in range(MULTI_SEQ_STEPS):
             step_items = [(steps[step], len(p) + step, s, True)
                           for s, (p, steps) in enumerate(seqs)]
-            for s, x in enumerate(decode(step_items)):
+            for s, x in enumerate(ctx.decode(step_items)):
                 got[s].append(x)
-        for r_seq, g_seq in zip(ref, got, strict=True):
-            for r, g in zip(r_seq, g_seq, strict=True):
-                d = float(np.max(np.abs(r - g)))
-                diff = max(diff, d)
-                same = same and d == 0.0
-    finally:
-        lib.llama_batch_free(batch)
-        lib.llama_free(ctx)
+    for r_seq, g_seq in zip(ref, got, strict=True):
+        for r, g in zip(r_seq, g_seq, strict=True):
+            d = float(np.max(np.abs(r - g)))
+            diff = max(diff, d)
+            same = same and d == 0.0
     return name, diff, same
