@@ -30,6 +30,7 @@ from .store import FragmentStore, open_store
 if TYPE_CHECKING:
     import numpy as np
 
+    from .request import FillStep
     from .semantic import Embedder, SemanticRouter
 
 __all__ = [
@@ -46,12 +47,14 @@ __version__ = "0.1.0"
 def open_llamacpp(model: str | Path | None = None, config: CacheConfig | None = None, *,
                   n_ctx: int = 2048, n_threads: int | None = None, semantic: bool = False,
                   prefetch: bool = False, engine: str = "llamacpp",
-                  **llama_kwargs: object) -> EdgeKV:
+                  fill: FillStep | None = None, **llama_kwargs: object) -> EdgeKV:
     """An EdgeKV over an engine (llama.cpp by default, `engine="torch"` or `"onnx"`) with the
     default RAM + disk store (model: SmolLM2 by default).
 
     `semantic=True` adds MiniLM + HNSW routing (index kept beside the disk store);
-    `prefetch=True` adds the n-gram prefetcher that warms predicted contexts into RAM.
+    `prefetch=True` adds the n-gram prefetcher that warms predicted contexts into RAM;
+    `fill`: the step between injection and prefill, e.g. SparKV loading from a KV server
+    (`stream.hybrid.HybridLoader`).
     """
     from .engines import open_adapter
 
@@ -64,12 +67,7 @@ def open_llamacpp(model: str | Path | None = None, config: CacheConfig | None = 
         from .semantic import MiniLMEmbedder
 
         router = open_router(MiniLMEmbedder(config.cache_dir), store, config)
-    kv = EdgeKV(adapter, store, config, router=router)
-    if prefetch:
-        from .prefetch import Prefetcher
-
-        kv.prefetcher = Prefetcher(kv.warm_chain)
-    return kv
+    return EdgeKV(adapter, store, config, router=router, prefetch=prefetch, fill=fill)
 
 
 def open_router(embedder: Embedder, store: FragmentStore,

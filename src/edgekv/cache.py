@@ -20,32 +20,45 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .config import CacheConfig
-from .engines.base import KVAdapter, TokenCallback
-from .engines.constraint import Constraint
+from .engines.base import Generation, KVAdapter, TokenCallback, WindowedKV
 from .engines.probe import ProbeResult, load_or_probe
 from .errors import (
     ChunkRejected,
+    ConfigError,
     EdgeKVError,
     EngineError,
     IncompatibleFragment,
 )
+from .fill import LocalPrefill, PassagePlacement
 from .fragment import KVFragment
 from .keys import KV_SERVER_TENANTS, ChunkKey, chunk_keys, tenant_root
 from .lookup import Chunk, ChunkReader, PrefixMatch, PrefixMatcher, Router
-from .passages import PassageLayout, PassagePolicy, PassageReuse
+from .passages import PassageReuse
 from .prefix_index import PrefixIndex
-from .request import Filled, FillRequest, FillStep, GenerationResult, PrefetchHook, prepare_tokens
+from .request import (
+    Filled,
+    FillRequest,
+    FillStep,
+    GenerationResult,
+    PrefetchHook,
+    Request,
+    RequestOptions,
+    Sampling,
+    prepare_tokens,
+)
 from .store.base import FragmentStore
 from .writeback import Writeback
 
-__all__ = ["EdgeKV", "GenerationResult", "PrefetchHook", "PrefixMatch"]
+__all__ = ["EdgeKV", "GenerationResult", "PrefetchHook", "PrefixMatch", "Request"]
 
 if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
     from .semantic.router import Route
 
 log = logging.getLogger(__name__)
@@ -56,15 +69,24 @@ class EdgeKV:
 
     def __init__(self, adapter: KVAdapter, store: FragmentStore,
                  config: CacheConfig | None = None, *, router: Router | None = None,
-                 prefetcher: PrefetchHook | None = None) -> None:
+                 prefetcher: PrefetchHook | None = None, prefetch: bool = False,
+                 fill: FillStep | None = None) -> None:
+        """`router`: semantic routing (`semantic.SemanticRouter`); `prefetch`: the n-gram
+        prefetcher (`prefetch.Prefetcher`, or your own `prefetcher`); `fill`: the step between
+        injection and prefill, e.g. SparKV's `stream.hybrid.HybridLoader` (default: local
+        prefill, or passage placement with `config.passage_reuse`)."""
         self.adapter, self.store = adapter, store
         self.config = config or CacheConfig()
         self.router = router
+        if prefetch and prefetcher is None:
+            from .prefetch import Prefetcher
+
+            prefetcher = Prefetcher(self.warm_chain)
         self.prefetcher = prefetcher
         self.fingerprint = adapter.fingerprint.digest
         # sliding-window models (`LlamaCppAdapter.window`): a hit reads the local layers of
         # the last window's chunks only
-        win = getattr(adapter, "window", None)
+        win = adapter.window if isinstance(adapter, WindowedKV) else None
         self.reader = ChunkReader.for_model(
             store, adapter.fingerprint, self.config.layers_per_fragment,
             local_layers=win.swa_layers if win else (), window=win.n_swa if win else 0)
@@ -98,6 +120,13 @@ class EdgeKV:
         # opt-in; refused here, with the reason, on engines/models that cannot shift KV
         self.passages = (PassageReuse(adapter, store, self.config)
                          if self.config.passage_reuse else None)
+        if fill is not None and self.passages is not None:
+            raise ConfigError("passage reuse and a fill step (SparKV loading from a KV server, "
+                              "--kv-server) do not combine yet; use one of them")
+        # the fill step, chosen once (see `request.FillStep`)
+        self.fill: FillStep = fill or (PassagePlacement(self.passages) if self.passages
+                                       else LocalPrefill())
+        self.fill.attach(adapter, self.config)
 
     # -- public API ----------------------------------------------------------------------
 
@@ -116,8 +145,7 @@ class EdgeKV:
                    namespace: str = KV_SERVER_TENANTS) -> list[ChunkKey]:
         """Chained keys of the full chunks of `tokens`, in the tenant `salt`'s own chain (of
         `namespace`, see `keys.tenant_root`)."""
-        return chunk_keys(self.fingerprint, tokens, self.config.chunk_size,
-                          tenant_root(self.fingerprint, salt, namespace))
+        return self._keys(tokens, tenant_root(self.fingerprint, salt, namespace))
 
     def cached_chunks(self, keys: Sequence[str], now: float | None = None,
                       rejections: list[str] | None = None) -> list[Chunk]:
@@ -125,11 +153,33 @@ class EdgeKV:
         return self.reader.walk(keys, time.time() if now is None else now,
                                 [] if rejections is None else rejections)
 
-    def prepare(self, prompt: str | Sequence[int], max_tokens: int) -> list[int]:
-        """The request preamble every path shares (`generate`, the KV server's precompute):
-        the prompt's token ids, refused if empty or if they and `max_tokens` more would not
-        fit the context window (`request.prepare_tokens`)."""
-        return prepare_tokens(self.adapter, prompt, max_tokens)
+    def prepare(self, prompt: str | Sequence[int],
+                **options: Unpack[RequestOptions]) -> Request:
+        """The only place a prompt is tokenized and validated: a `Request` for `generate`
+        (or a KV server's precompute). Refused (`request.PromptError`) if it is empty, or if
+        it and `max_tokens` more do not fit the context window; unknown options are a
+        TypeError. Options: see `generate`."""
+        unknown = set(options) - set(RequestOptions.__annotations__)
+        if unknown:
+            raise TypeError(f"unknown request option(s): {', '.join(sorted(unknown))}")
+        o: dict[str, Any] = dict(options)
+        sampling = Sampling(**{k: o[k] for k in Sampling.__dataclass_fields__ if k in o})
+        use_cache = o.get("use_cache", True)
+        if o.get("passages") is not None:
+            layout = self._passage_reuse().layout(prompt, o["passages"], sampling.max_tokens)
+            tokens = layout.tokens
+        else:
+            layout, tokens = None, prepare_tokens(self.adapter, prompt, sampling.max_tokens)
+        text = prompt if isinstance(prompt, str) else None
+        if text is None and self.router is not None and use_cache:
+            text = self.adapter.detokenize(tokens)
+        root = tenant_root(self.fingerprint, o.get("salt", ""),
+                           o.get("namespace", KV_SERVER_TENANTS))
+        approximate = o.get("approximate")
+        return Request(tuple(tokens), root, tuple(self._keys(tokens, root)), sampling, text,
+                       use_cache, o.get("store", True),
+                       self.config.approximate if approximate is None else approximate,
+                       layout, o.get("passage_policy"))
 
     def lookup(self, tokens: Sequence[int], text: str | None = None, *,
                approximate: bool | None = None, now: float | None = None,
@@ -144,116 +194,58 @@ class EdgeKV:
             approximate=self.config.approximate if approximate is None else approximate,
             whole_chunks=whole_chunks)
 
-    def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 64,
-                 temperature: float = 0.0, seed: int = 0, use_cache: bool = True,
-                 store: bool = True, keep_logits: bool = False,
-                 approximate: bool | None = None, top_p: float = 1.0,
-                 on_token: TokenCallback | None = None, salt: str = "",
-                 fill: FillStep | None = None, passages: Sequence[str] | None = None,
-                 passage_policy: PassagePolicy | None = None,
-                 namespace: str = KV_SERVER_TENANTS,
-                 constraint: Constraint | None = None) -> GenerationResult:
-        """Answer `prompt` (text, or token ids), reusing what the cache holds for it.
+    def generate(self, prompt: str | Sequence[int] | Request, *,
+                 on_token: TokenCallback | None = None,
+                 **options: Unpack[RequestOptions]) -> GenerationResult:
+        """Answer `prompt` (text, token ids, or a `Request` from `prepare`), reusing what the
+        cache holds for it.
 
-        `salt` names a tenant (an API key, an OpenAI `cache_salt`): its prefixes are cached in
-        a chain of its own and never reused for another salt; `namespace` says who named it
-        (`keys.tenant_root`: the KV server's tenants by default, as a device names its
-        KV-server tenant; `edgekv serve` salts its own). `on_token` sees each sampled
-        token as it comes and may stop the generation by returning False. `fill` extends the
-        injected prefix by whole chunks before the rest is prefilled (the SparKV executor,
-        `stream.hybrid`); it runs where the match ends on a chunk boundary. `passages`
-        (with `CacheConfig.passage_reuse`): texts placed before `prompt` whose cached KV is
-        reused wherever they sit (approximate, labelled in `result.passages`, see `passages`).
-        `constraint` (`engines.constraint`: a grammar, a logprob recorder) masks what each step
-        may sample; it never touches the KV, so what is reused and stored is unchanged."""
+        Options (`request.RequestOptions`): sampling (`max_tokens`, `temperature`, `top_p`,
+        `seed`, `keep_logits`, `constraint`: a grammar or logprob recorder that masks each
+        step, never the KV); `use_cache=False` for a cold run, `store=False` to store nothing;
+        `approximate` (default `config.approximate`: the seed's similarity injection,
+        labelled); `salt`, a tenant (an API key, an OpenAI `cache_salt`) whose prefixes sit
+        in a chain of their own, named by `namespace` (`keys.tenant_root`); `passages`
+        (with `config.passage_reuse`): texts placed before `prompt` whose cached KV is reused
+        wherever they sit (approximate, labelled in `result.passages`). `on_token` sees each
+        sampled token as it comes and may stop the generation by returning False."""
         t0 = time.perf_counter()
-        a = self.adapter
-        layout: PassageLayout | None = None
-        if passages is not None:
-            layout = self._passage_reuse().layout(prompt, passages, max_tokens)
-            tokens = layout.tokens
+        if isinstance(prompt, Request):
+            if options:
+                raise TypeError("a prepared Request carries its options; give none here")
+            req = prompt
         else:
-            tokens = self.prepare(prompt, max_tokens)
-        text = prompt if isinstance(prompt, str) else None
-        if text is None and self.router is not None and use_cache:
-            text = a.detokenize(tokens)
-        keys = self.chunk_keys(tokens, salt, namespace)  # once: lookup, store, prefetch
-        match = (self.lookup(tokens, text, approximate=approximate, keys=keys, salt=salt,
-                             whole_chunks=fill is not None, namespace=namespace)
-                 if use_cache else PrefixMatch(0))
-        rejections = match.rejections
-        if layout is not None and layout.cut(match.n_tokens) < match.n_tokens:
-            cut = layout.cut(match.n_tokens)  # passages are placed whole
-            match = replace(match, n_tokens=cut) if cut else PrefixMatch(0, rejections=rejections)
+            req = self.prepare(prompt, **options)
+        a = self.adapter
+        match = self._match(req)
         t_lookup = time.perf_counter()
         cached = self._inject(match)
-        if cached != match.n_tokens:
-            match = PrefixMatch(0, rejections=rejections, token_exact=self.token_exact)
+        if cached != match.n_tokens:  # refused: the whole prompt is computed
+            match.release()
+            match = PrefixMatch(0, rejections=match.rejections, token_exact=self.token_exact)
         t_inject = time.perf_counter()
         before = a.counters.snapshot()
-        filled = Filled(cached)
-        placed = None
-        if layout is not None and use_cache and self.passages is not None:
-            placed = self.passages.place(layout, cached, passage_policy)
-            # never stored as exact: computed on top of KV from other contexts
-            filled = Filled(a.n_tokens, exact=False)
-        if fill is not None and cached % self.config.chunk_size == 0:
-            filled = fill.fill(FillRequest(a, tokens, keys, self.config.chunk_size, cached,
-                                           self._chunk_check(tokens, keys)))
-        logits = a.prefill(tokens[filled.held:], align=self.prefill_align)
-        prefill_traffic = a.counters.since(before).traffic_bytes(
-            a.weight_bytes, a.fingerprint.kv_bytes_per_token)
+        filled = self._fill(req, cached)
+        logits = a.prefill(req.tokens[filled.held:], align=self.prefill_align)
+        traffic = a.counters.since(before).traffic_bytes(a.weight_bytes,
+                                                         a.fingerprint.kv_bytes_per_token)
         t_logits = time.perf_counter()
-        # TTFT stops where a streaming client's clock stops: at the first sampled token, as
-        # text (what llama-cpp-python's and llama-server's first streamed chunk carries)
-        first: list[float] = []
-
-        def timed(tok: int) -> bool:
-            if not first:
-                a.detokenize([tok])
-                first.append(time.perf_counter())
-            return True if on_token is None else on_token(tok)
-
-        gen = a.generate(logits, max_tokens, temperature=temperature, seed=seed,
-                         keep_logits=keep_logits, top_p=top_p, on_token=timed,
-                         **({} if constraint is None else {"constraint": constraint}))
+        gen, t_first = self._sample(logits, req.sampling, on_token)
         t_gen = time.perf_counter()
-        t_first = first[0] if first else t_gen  # an answer of EOS alone: its end
-        if self.router is not None and use_cache and text is not None and match.route is None:
-            # strict mode: the route is for reporting and indexing, after the answer
-            match = match.with_route(self.router.route(text))
-        stored = written = 0
-        # KV computed on top of reuse that was not batch-exact is not what a cold run would
-        # hold, so it is never stored (it would spread the difference to later requests)
-        if (store and use_cache and match.batch_exact(self.config.chunk_size) and filled.exact
-                and layout is None):
-            seq, seq_keys = tokens, keys
-            if self.token_exact:  # the answer's KV too: the next turn's prompt holds it
-                held = a.token_ids  # prompt + answer, less the last sampled token
-                if len(held) > len(tokens) and held[: len(tokens)] == list(tokens):
-                    seq, seq_keys = held, self.chunk_keys(held, salt, namespace)
-            stored, written = self.store_new(seq, cached, seq_keys, match.route,
-                                             tenant_root(self.fingerprint, salt, namespace))
-        if layout is not None and store and use_cache and self.passages is not None:
-            self.passages.store_missing(layout)  # passages seen first here, computed alone
-        self.writeback.record_hits(match)
-        match.release()  # its answer is stored: the matched path may be evicted again
-        if self.prefetcher is not None and use_cache:
-            # a request's signature: its deepest full chunk, which names its context
-            self.prefetcher.observe(keys[-1] if keys else None)
+        match, stored, written = self._commit(req, match, filled, cached)
         t_end = time.perf_counter()
         return GenerationResult(
-            text=a.detokenize(gen.tokens), tokens=gen.tokens, prompt_tokens=len(tokens),
-            cached_tokens=cached, computed_tokens=len(tokens) - cached - filled.streamed - (
-                placed.reused_tokens if placed else 0),
+            text=a.detokenize(gen.tokens), tokens=gen.tokens, prompt_tokens=len(req.tokens),
+            cached_tokens=cached,
+            computed_tokens=len(req.tokens) - cached - filled.streamed - filled.placed,
             ttft_s=t_first - t0, total_s=t_gen - t0, lookup_s=t_lookup - t0,
             inject_s=t_inject - t_lookup, prefill_s=t_logits - t_inject,
             store_s=t_end - t_gen, stored_fragments=stored,
             kv_bytes_read=sum(f.nbytes for f in match.fragments) if cached else 0,
-            kv_bytes_written=written, prefill_traffic_bytes=prefill_traffic,
-            first_logits=logits, match=match,
-            step_logits=gen.logits, finish_reason=gen.finish_reason,
-            streamed_tokens=filled.streamed, passages=placed)
+            kv_bytes_written=written, prefill_traffic_bytes=traffic, first_logits=logits,
+            match=match, step_logits=gen.logits, finish_reason=gen.finish_reason,
+            streamed_tokens=filled.streamed, passages=filled.passages,
+            fill_report=filled.report)
 
     def warm_passages(self, passages: Sequence[str], scores: bool | None = None) -> int:
         """Cache passages ahead of the requests that cite them (RAG indexing time)."""
@@ -284,14 +276,100 @@ class EdgeKV:
         self.writeback.save_index()
         self.store.close()
 
+    # -- the pipeline's steps (see `request`) ---------------------------------------------
+
+    def _match(self, req: Request) -> PrefixMatch:
+        """What to restore: the strict chain walk (and radix step, or approximate search);
+        for a fill step that continues whole chunks, the whole chunks alone unless the match
+        already covers every whole chunk of the prompt (nothing is left to stream); cut to a
+        passage boundary where passages are placed (they are placed whole)."""
+        if not req.use_cache:
+            return PrefixMatch(0)
+
+        def walk(whole_chunks: bool) -> PrefixMatch:
+            return self.matcher.match_prefix(req.tokens, req.keys, req.root, text=req.text,
+                                             approximate=req.approximate,
+                                             whole_chunks=whole_chunks)
+
+        match, c = walk(False), self.config.chunk_size
+        if (self.fill.whole_chunks and match.n_tokens % c
+                and match.n_tokens // c < (len(req.tokens) - 1) // c):
+            match.release()
+            match = walk(True)
+        cut = req.layout.cut(match.n_tokens) if req.layout is not None else match.n_tokens
+        if cut == match.n_tokens:
+            return match
+        if cut:
+            return replace(match, n_tokens=cut)
+        match.release()
+        return PrefixMatch(0, rejections=match.rejections, token_exact=self.token_exact)
+
+    def _fill(self, req: Request, cached: int) -> Filled:
+        """The fill step chosen at construction; one that continues whole chunks runs only
+        where the injected prefix ends on a chunk boundary."""
+        c = self.config.chunk_size
+        if self.fill.whole_chunks and cached % c:
+            return Filled(cached)
+        return self.fill.fill(FillRequest(self.adapter, req, c, cached, self._chunk_check(req)))
+
+    def _sample(self, logits: np.ndarray, s: Sampling,
+                on_token: TokenCallback | None) -> tuple[Generation, float]:
+        """Sample the answer; also the time of the first token. TTFT stops where a streaming
+        client's clock stops: at the first sampled token, as text (what llama-cpp-python's
+        and llama-server's first streamed chunk carries)."""
+        a, first = self.adapter, list[float]()
+
+        def timed(tok: int) -> bool:
+            if not first:
+                a.detokenize([tok])
+                first.append(time.perf_counter())
+            return True if on_token is None else on_token(tok)
+
+        gen = a.generate(logits, s.max_tokens, temperature=s.temperature, seed=s.seed,
+                         keep_logits=s.keep_logits, top_p=s.top_p, on_token=timed,
+                         **({} if s.constraint is None else {"constraint": s.constraint}))
+        return gen, first[0] if first else time.perf_counter()  # EOS alone: its end
+
+    def _commit(self, req: Request, match: PrefixMatch, filled: Filled,
+                cached: int) -> tuple[PrefixMatch, int, int]:
+        """After the last token: route (for reporting and indexing), store what is new and
+        exact, cache passages seen for the first time, record hits, unpin, tell the
+        prefetcher. Returns the match (with its route) and (fragments, bytes) stored."""
+        if (self.router is not None and req.use_cache and req.text is not None
+                and match.route is None):
+            match = match.with_route(self.router.route(req.text))
+        stored = written = 0
+        # KV computed on top of reuse that was not batch-exact is not what a cold run would
+        # hold, so it is never stored (it would spread the difference to later requests)
+        if (req.store and req.use_cache and match.batch_exact(self.config.chunk_size)
+                and filled.exact and req.layout is None):
+            seq, keys = list(req.tokens), list(req.keys)
+            if self.token_exact:  # the answer's KV too: the next turn's prompt holds it
+                held = self.adapter.token_ids  # prompt + answer, less the last sampled token
+                if len(held) > len(seq) and held[: len(seq)] == seq:
+                    seq, keys = held, self._keys(held, req.root)
+            stored, written = self.writeback.store_new(seq, cached, keys, match.route,
+                                                       req.root)
+        if req.layout is not None and req.store and req.use_cache and self.passages:
+            self.passages.store_missing(req.layout)  # passages seen first here, computed alone
+        self.writeback.record_hits(match)
+        match.release()  # its answer is stored: the matched path may be evicted again
+        if self.prefetcher is not None and req.use_cache:
+            # a request's signature: its deepest full chunk, which names its context
+            self.prefetcher.observe(req.keys[-1] if req.keys else None)
+        return match, stored, written
+
     # -- private helpers -----------------------------------------------------------------
 
-    def _chunk_check(self, tokens: Sequence[int],
-                     keys: Sequence[str]) -> Callable[[KVFragment, int], None]:
+    def _keys(self, tokens: Sequence[int], root: str) -> list[ChunkKey]:
+        return chunk_keys(self.fingerprint, tokens, self.config.chunk_size, root)
+
+    def _chunk_check(self, req: Request) -> Callable[[KVFragment, int], None]:
         """`FillRequest.check`: a fragment from elsewhere (a KV server) must be chunk i of
         this request, whole: chain key and its hash, model, every layer, KV widths and dtype,
         token range and ids."""
         c, fp = self.config.chunk_size, self.adapter.fingerprint
+        tokens, keys = req.tokens, req.keys
 
         def check(frag: KVFragment, i: int) -> None:
             self.reader.verify(frag, keys[i], 0, fp.n_layer, None)

@@ -1,42 +1,115 @@
-"""What one request through `EdgeKV.generate` is made of: the preamble, the result, and the
-seams of its optional steps (a fill step between the injection and the prefill, a prefetcher
-told each request's signature).
+"""One request through `EdgeKV.generate`: what `prepare` makes of it (`Request`), the
+result, and the seams of its steps (the fill step between the injection and the prefill, a
+prefetcher told each request's signature).
 
-One path: preamble (`prepare_tokens`) -> match (`lookup`) -> inject -> fill (e.g. the SparKV
-executor in `stream.hybrid`: chunks streamed from a KV server or computed here) -> prefill the
-rest -> generate -> store. A step gets what it needs handed to it (`FillRequest`), so it never
-reaches into the cache.
+The pipeline: prepare (the only place a prompt is tokenized and validated) -> match (strict,
+approximate, passages cut whole) -> inject -> fill (the step chosen once, at construction:
+local prefill, SparKV's stream-or-compute executor in `stream.hybrid`, or passage placement in
+`fill`) -> prefill the rest -> generate -> commit (store, index, embed; after the last token).
+A step gets what it needs handed to it (`FillRequest`), so it never reaches into the cache.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
 import numpy as np
 
 from .engines.base import KVAdapter
 from .errors import EdgeKVError
 from .fragment import KVFragment
+from .keys import ChunkKey
 from .lookup import PrefixMatch
-from .passages import PassageReport
+from .passages import PassageLayout, PassagePolicy, PassageReport
+
+if TYPE_CHECKING:
+    from .config import CacheConfig
+    from .engines.constraint import Constraint
 
 __all__ = ["FillRequest", "FillStep", "Filled", "GenerationResult", "PrefetchHook",
-           "prepare_tokens"]
+           "PromptError", "Request", "RequestOptions", "Sampling", "prepare_tokens"]
+
+
+class PromptError(EdgeKVError, ValueError):
+    """A prompt that cannot be answered as given (empty, or longer than the context window
+    allows with `max_tokens` more); `code` is OpenAI's name for the case."""
+
+    def __init__(self, message: str, code: str = "invalid_prompt") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def prepare_tokens(adapter: KVAdapter, prompt: str | Sequence[int], max_tokens: int) -> list[int]:
-    """The request preamble: the prompt's token ids, refused if empty or if `max_tokens` more
-    would not fit the context window."""
+    """The prompt's token ids, refused (`PromptError`) if empty or if `max_tokens` more would
+    not fit the context window."""
     tokens = adapter.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
     if not tokens:
-        raise EdgeKVError("the prompt is empty; give at least one token")
-    if len(tokens) + max_tokens > adapter.n_ctx:
-        raise EdgeKVError(
-            f"prompt ({len(tokens)} tokens) + max_tokens ({max_tokens}) exceeds the context "
-            f"window ({adapter.n_ctx}); shorten the prompt or raise --n-ctx")
+        raise PromptError("the prompt is empty; give at least one token")
+    check_fits(adapter, len(tokens), max_tokens, "prompt")
     return tokens
+
+
+def check_fits(adapter: KVAdapter, n_tokens: int, max_tokens: int, what: str) -> None:
+    if max_tokens < 0:
+        raise PromptError(f"max_tokens={max_tokens} must be >= 0", "invalid_value")
+    if n_tokens + max_tokens > adapter.n_ctx:
+        raise PromptError(
+            f"{what} ({n_tokens} tokens) + max_tokens ({max_tokens}) exceeds the context "
+            f"window ({adapter.n_ctx}); shorten the prompt or raise --n-ctx",
+            "context_length_exceeded")
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """How tokens are drawn: greedy at temperature 0; `constraint` (a grammar, a logprob
+    recorder, `engines.constraint`) masks what each step may sample, never the KV."""
+
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    keep_logits: bool = False
+    constraint: Constraint | None = None
+
+
+class RequestOptions(TypedDict, total=False):
+    """`EdgeKV.prepare`'s keywords (and `generate`'s, which hands them on)."""
+
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    keep_logits: bool
+    constraint: Constraint | None
+    use_cache: bool
+    store: bool
+    approximate: bool | None
+    salt: str
+    namespace: str
+    passages: Sequence[str] | None
+    passage_policy: PassagePolicy | None
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """A prepared request: everything the pipeline's steps read, computed once.
+
+    `root`: the tenant's chain root (`keys.tenant_root`); `keys`: the chained keys of the
+    prompt's full chunks under it; `text`: what the semantic router embeds (None where no
+    router needs it); `layout`: the passages marked (passage reuse), else None."""
+
+    tokens: tuple[int, ...]
+    root: str
+    keys: tuple[ChunkKey, ...]
+    sampling: Sampling
+    text: str | None = None
+    use_cache: bool = True
+    store: bool = True
+    approximate: bool = False
+    layout: PassageLayout | None = None
+    passage_policy: PassagePolicy | None = None
 
 
 class PrefetchHook(Protocol):
@@ -52,17 +125,24 @@ class PrefetchHook(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class FillRequest:
-    """What a fill step is handed: the engine, holding the first `held` tokens of `tokens`
-    (a multiple of `chunk_size`), the chunk keys of `tokens`, and `check(fragment, i)`, which
-    raises `ChunkRejected` or `IncompatibleFragment` unless `fragment` is chunk i of this
-    request (chain key, tokens, model, every layer)."""
+    """What a fill step is handed: the engine, holding the first `held` tokens of the
+    request's tokens (a multiple of `chunk_size` for a step with `whole_chunks`), and
+    `check(fragment, i)`, which raises `ChunkRejected` or `IncompatibleFragment` unless
+    `fragment` is chunk i of this request (chain key, tokens, model, every layer)."""
 
     adapter: KVAdapter
-    tokens: Sequence[int]
-    keys: Sequence[str]
+    request: Request
     chunk_size: int
     held: int
     check: Callable[[KVFragment, int], None]
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return self.request.tokens
+
+    @property
+    def keys(self) -> tuple[ChunkKey, ...]:
+        return self.request.keys
 
     @property
     def n_chunks(self) -> int:
@@ -74,17 +154,34 @@ class FillRequest:
 @dataclass(frozen=True, slots=True)
 class Filled:
     """What a fill step did: the engine now holds `held` tokens, `streamed` of them came from
-    elsewhere; `exact`: False if any of them is not bit-exact (a lossy codec), so that nothing
-    computed on top is stored."""
+    elsewhere and `placed` were passage tokens placed from the cache; `exact`: False if any of
+    them is not this request's own bit-exact KV (a lossy codec, passages computed alone), so
+    that nothing computed on top is stored. `report`: the step's own account (SparKV's
+    `HybridResult`); `passages`: how passages were placed."""
 
     held: int
     streamed: int = 0
     exact: bool = True
+    passages: PassageReport | None = None
+    report: Any = None
+
+    @property
+    def placed(self) -> int:
+        return self.passages.reused_tokens if self.passages is not None else 0
 
 
 class FillStep(Protocol):
-    """A step between the injection of the cache's match and the prefill of the rest: it
-    extends what the engine holds by whole chunks (`stream.hybrid.HybridLoader`'s executor)."""
+    """The step between the injection of the cache's match and the prefill of the rest,
+    chosen once when the `EdgeKV` is built: it may extend what the engine holds (SparKV's
+    executor streams or computes whole chunks, `stream.hybrid`; passage placement, `fill`).
+
+    `whole_chunks`: the step continues from whole chunks only (the match is the exact chain
+    walk, and the step runs where it ends on a chunk boundary). `attach` is called once by the
+    `EdgeKV` it serves, with its model and config (a step may refuse them: `ConfigError`)."""
+
+    whole_chunks: bool
+
+    def attach(self, adapter: KVAdapter, config: CacheConfig) -> None: ...
 
     def fill(self, request: FillRequest) -> Filled: ...
 
@@ -114,6 +211,20 @@ class GenerationResult:
     streamed_tokens: int = 0
     # passage reuse (opt-in, approximate): how the passages were placed; None when not used
     passages: PassageReport | None = None
+    fill_report: Any = field(default=None, repr=False)  # the fill step's account (`Filled`)
+
+    @property
+    def tier(self) -> str | None:
+        """The semantic router's tier for this request (exact, partial, miss); None without a
+        router."""
+        return None if self.match.tier == "none" else self.match.tier
+
+    @property
+    def approximate(self) -> bool:
+        """Whether any KV this answer rests on is not this prompt's own (approximate reuse, or
+        passages placed from elsewhere): the output may differ from a cold run."""
+        return self.match.approximate or (self.passages is not None
+                                          and self.passages.approximate)
 
     @property
     def source_tiers(self) -> tuple[str, ...]:

@@ -161,8 +161,13 @@ class FromElsewhere:
     """A fill step (`request.FillStep`) that appends chunks another engine computed: what the
     SparKV executor does over the network, without one."""
 
+    whole_chunks = True
+
     def __init__(self, fragments, exact=True):
         self.fragments, self.exact, self.requests = fragments, exact, []
+
+    def attach(self, adapter, config):
+        pass
 
     def fill(self, req):
         self.requests.append(req)
@@ -174,6 +179,11 @@ class FromElsewhere:
         return Filled(req.n_chunks * c, len(todo) * c, self.exact)
 
 
+def with_fill(kv, step):
+    """The same engine, store and config with `step` as the fill step (chosen when built)."""
+    return EdgeKV(kv.adapter, kv.store, kv.config, fill=step)
+
+
 def test_a_fill_step_extends_the_match_before_the_prefill(fake_cache):
     tokens = fake_cache.adapter.tokenize(CONTEXT + "Question one?")
     keys = fake_cache.chunk_keys(tokens)
@@ -183,12 +193,13 @@ def test_a_fill_step_extends_the_match_before_the_prefill(fake_cache):
              for i, k in enumerate(keys)]
     frags = other.extract_fragments(specs)
     step = FromElsewhere(frags)
-    r = fake_cache.generate(tokens, max_tokens=2, fill=step)
+    kv = with_fill(fake_cache, step)
+    r = kv.generate(tokens, max_tokens=2)
     n = (len(tokens) - 1) // 64
     assert (r.cached_tokens, r.streamed_tokens) == (0, n * 64)
     assert r.computed_tokens == len(tokens) - n * 64 and r.stored_fragments > 0
     assert np.array_equal(r.first_logits, cold)
-    again = fake_cache.generate(tokens, max_tokens=2, fill=step)  # whole chunks from the cache
+    again = kv.generate(tokens, max_tokens=2)  # whole chunks from the cache
     assert (again.cached_tokens, again.streamed_tokens) == (n * 64, 0)
     assert step.requests[-1].held == n * 64
     with pytest.raises(IncompatibleFragment, match="chain key"):
@@ -203,7 +214,7 @@ def test_nothing_is_stored_on_top_of_inexact_fill(fake_cache):
     frags = other.extract_fragments([FragmentSpec(k, i * 64, (i + 1) * 64,
                                                   parent_key=keys[i - 1] if i else "")
                                      for i, k in enumerate(keys)])
-    r = fake_cache.generate(tokens, max_tokens=1, fill=FromElsewhere(frags, exact=False))
+    r = with_fill(fake_cache, FromElsewhere(frags, exact=False)).generate(tokens, max_tokens=1)
     assert r.streamed_tokens == 192 and r.stored_fragments == 0
 
 

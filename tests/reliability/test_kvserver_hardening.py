@@ -26,7 +26,6 @@ from edgekv.engines.fake import FakeAdapter
 from edgekv.stream.client import KVClient
 from edgekv.stream.codec import SessionCipher, decode_chunk, derive_session_keys
 from edgekv.stream.costmodel import CostModel
-from edgekv.stream.hybrid import HybridLoader
 from edgekv.stream.protocol import (
     AUTH_SCHEME,
     auth_header,
@@ -36,12 +35,13 @@ from edgekv.stream.protocol import (
     tenant_secret,
 )
 from edgekv.stream.server import KVServer, Limits, load_secret
+from tests.stream.loaderkit import Device
 
 from ..conftest import real_stack
 
 SECRET = b"h" * 32
-PROMPT = list(range(2, 2 + 64 * 4)) + [7, 8, 9]  # 4 full chunks of 64 + a short tail
-OTHER = list(range(300, 300 + 64 * 2)) + [5]
+PROMPT = [2 + i % 250 for i in range(64 * 4)] + [7, 8, 9]  # 4 full chunks of 64 + a tail
+OTHER = [3 + (i * 7) % 250 for i in range(64 * 2)] + [5]  # another prompt, ids < 257
 LIMITS = Limits(request_timeout_s=1.5, write_timeout_s=1.5, max_connections=16,
                 max_connections_per_client=6, refused_timeout_s=1.0, max_sessions=32,
                 max_body_bytes=64 * 1024, max_keys=4096)
@@ -399,7 +399,7 @@ def test_wrong_secret_never_gets_a_chunk(srv, tmp_path):
     KVClient(url_of(srv), SECRET).precompute(PROMPT)
     cfg = CacheConfig(chunk_size=64, cache_dir=tmp_path / "dev")
     kv = EdgeKV(FakeAdapter(), open_store(cfg), cfg)
-    h = HybridLoader(kv, KVClient(url_of(srv), b"x" * 32, timeout_s=5))
+    h = Device(kv, KVClient(url_of(srv), b"x" * 32, timeout_s=5))
     r = h.generate(PROMPT, max_tokens=2, strategy="stream")
     assert r.streamed_chunks == 0 and "authentication" in (r.fallback or "")
     assert np.array_equal(r.first_logits, FakeAdapter().prefill(PROMPT, align=64))
@@ -485,7 +485,7 @@ def test_a_replayed_chunk_is_rejected(srv, tmp_path):
         # the device computes instead, and answers as if cold
         cfg = CacheConfig(chunk_size=64, cache_dir=tmp_path / "dev")
         kv = EdgeKV(FakeAdapter(), open_store(cfg), cfg)
-        r = HybridLoader(kv, KVClient(f"http://127.0.0.1:{proxy.port}", SECRET, timeout_s=10),
+        r = Device(kv, KVClient(f"http://127.0.0.1:{proxy.port}", SECRET, timeout_s=10),
                          CostModel(bandwidth_Bps=1e9)).generate(PROMPT, max_tokens=2,
                                                                  strategy="stream")
         assert r.streamed_chunks == 0 and "authentication" in (r.fallback or "")

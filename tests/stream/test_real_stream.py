@@ -16,9 +16,9 @@ from edgekv import CacheConfig, EdgeKV, open_store
 from edgekv.engines.models import default_model_path
 from edgekv.stream.client import KVClient
 from edgekv.stream.costmodel import CostModel
-from edgekv.stream.hybrid import HybridLoader
 from edgekv.stream.netem import Shaper
 from edgekv.texts import MANUAL, SYSTEM_PROMPT
+from tests.stream.loaderkit import Device
 
 from .. import redis_kit
 from ..conftest import real_stack
@@ -90,7 +90,7 @@ def server(tmp_path_factory, prompt):
 def loader(adapter, tmp_path, url, secret, **kw):
     cfg = CacheConfig(cache_dir=tmp_path / "device")
     kv = EdgeKV(adapter, open_store(cfg), cfg)
-    return HybridLoader(kv, KVClient(url, secret, timeout_s=kw.pop("timeout_s", 3.0), **kw),
+    return Device(kv, KVClient(url, secret, timeout_s=kw.pop("timeout_s", 3.0), **kw),
                         CostModel(bandwidth_Bps=kw.pop("bw", 50e6 / 8)))
 
 

@@ -14,15 +14,15 @@ from edgekv.keys import store_key
 from edgekv.stream.client import KVClient
 from edgekv.stream.codec import SessionCipher, decode_chunk, encode_chunk, quantize_error
 from edgekv.stream.costmodel import CostModel
-from edgekv.stream.hybrid import HybridLoader
 from edgekv.stream.netem import Shaper
 from edgekv.stream.planner import plan, simulate
 from edgekv.stream.server import KVServer
+from tests.stream.loaderkit import Device
 
 from .streamkit import SilentServer, TamperProxy
 
 SECRET = b"s" * 32
-PROMPT = list(range(2, 2 + 64 * 6)) + [7, 8, 9]  # 6 full chunks of 64 + a short tail
+PROMPT = [2 + i % 250 for i in range(64 * 6)] + [7, 8, 9]  # 6 full chunks of 64 + a tail
 
 
 def frag(adapter=None):
@@ -110,7 +110,7 @@ def server(tmp_path):
 def device(tmp_path, url, **kw):
     cfg = CacheConfig(chunk_size=64, cache_dir=tmp_path / "device")
     kv = EdgeKV(FakeAdapter(), open_store(cfg), cfg)
-    return HybridLoader(kv, KVClient(url, SECRET, timeout_s=kw.pop("timeout_s", 2.0), **kw),
+    return Device(kv, KVClient(url, SECRET, timeout_s=kw.pop("timeout_s", 2.0), **kw),
                         CostModel(bandwidth_Bps=40e6 / 8, rtt_s=0.002, prefill_a_s=0.002,
                                   prefill_b_s=0.0))
 
@@ -133,7 +133,9 @@ def test_every_strategy_gives_the_cold_answer(server, tmp_path, strategy):
         assert r.streamed_chunks == 0 and r.computed_chunks == 6
     assert r.fallback is None
     again = h.generate(PROMPT, max_tokens=4)  # now all local from the device's own cache
-    assert again.local_chunks == 6 and np.array_equal(again.first_logits, r.first_logits)
+    # every whole chunk (and the tail: token-granular) is local, so the step has nothing to do
+    assert again.cached_tokens >= 6 * 64 and again.fill_report is None
+    assert again.streamed_tokens == 0 and np.array_equal(again.first_logits, r.first_logits)
 
 
 def test_server_missing_chunks_are_computed(server, tmp_path):
@@ -198,7 +200,7 @@ def test_wrong_secret_cannot_read_chunks(server, tmp_path):
     KVClient(f"http://{host}:{port}", SECRET).precompute(PROMPT)
     cfg = CacheConfig(chunk_size=64, cache_dir=tmp_path / "dev2")
     kv = EdgeKV(FakeAdapter(), open_store(cfg), cfg)
-    h = HybridLoader(kv, KVClient(f"http://{host}:{port}", b"x" * 32))
+    h = Device(kv, KVClient(f"http://{host}:{port}", b"x" * 32))
     r = h.generate(PROMPT, max_tokens=2, strategy="stream")
     assert r.streamed_chunks == 0 and "authentication" in (r.fallback or "")
     assert np.array_equal(r.first_logits, cold(PROMPT))
@@ -208,7 +210,7 @@ def test_quantized_stream_is_approximate_but_valid(server, tmp_path):
     host, port = server.address
     KVClient(f"http://{host}:{port}", SECRET).precompute(PROMPT)
     h = device(tmp_path, f"http://{host}:{port}")
-    h.codec = "int8"
+    h.loader.codec = "int8"
     r = h.generate(PROMPT, max_tokens=2, strategy="stream", store=False)
     assert r.streamed_chunks == 6
     assert not np.array_equal(r.first_logits, cold(PROMPT))  # lossy: measured, not hidden
@@ -240,23 +242,28 @@ def test_local_chunks_kept_in_layer_groups_are_used(server, tmp_path):
     KVClient(f"http://{host}:{port}", SECRET).precompute(PROMPT)
     cfg = CacheConfig(chunk_size=64, layers_per_fragment=3, cache_dir=tmp_path / "grouped")
     kv = EdgeKV(FakeAdapter(), open_store(cfg), cfg)
-    h = HybridLoader(kv, KVClient(f"http://{host}:{port}", SECRET))
+    h = Device(kv, KVClient(f"http://{host}:{port}", SECRET))
     first = h.generate(PROMPT, max_tokens=2, strategy="stream")
     again = h.generate(PROMPT, max_tokens=2, strategy="stream")
-    assert first.streamed_chunks == 6 and again.local_chunks == 6
-    assert again.streamed_chunks == again.computed_chunks == 0
+    assert first.streamed_chunks == 6 and again.cached_tokens >= 6 * 64
+    assert again.fill_report is None and again.streamed_tokens == 0
     assert np.array_equal(again.first_logits, cold(PROMPT))
 
 
 def test_every_request_path_shares_one_preamble(tmp_path):
     cfg = CacheConfig(chunk_size=64, cache_dir=tmp_path)
     kv = EdgeKV(FakeAdapter(n_ctx=100), open_store(cfg), cfg)
-    assert kv.prepare("ab", 1) == kv.adapter.tokenize("ab") and kv.prepare((3, 4), 1) == [3, 4]
+    assert kv.prepare("ab", max_tokens=1).tokens == tuple(kv.adapter.tokenize("ab"))
+    assert kv.prepare((3, 4), max_tokens=1).tokens == (3, 4)
+    with pytest.raises(TypeError, match="unknown request option"):
+        kv.prepare("ab", max_token=1)  # a misspelt option is an error, not ignored
+    with pytest.raises(TypeError, match="carries its options"):
+        kv.generate(kv.prepare("ab", max_tokens=1), max_tokens=2)
     srv = KVServer(kv.store, SECRET, fingerprint=kv.fingerprint, model="fake", chunk_size=64,
                    engine=kv)
     try:
         paths = [lambda p: kv.generate(p, max_tokens=10),
-                 lambda p: HybridLoader(kv, None).generate(p, max_tokens=10),
+                 lambda p: Device(kv, None).generate(p, max_tokens=10),
                  lambda p: srv.precompute({"tokens": p})]
         for run in paths:
             with pytest.raises(EdgeKVError, match=r"prompt \(100 tokens\).*context window"):
@@ -286,7 +293,7 @@ def test_plan_is_revised_when_the_link_is_faster_than_estimated(server, tmp_path
     # a pessimistic prior: one chunk takes ~3 compute-times to arrive, so only the tail streams
     cost = CostModel(bandwidth_Bps=raw / 0.15, rtt_s=0.001, prefill_a_s=0.05, prefill_b_s=0.0,
                      wire_ratio=1.0)
-    h = HybridLoader(kv, KVClient(f"http://{host}:{port}", SECRET), cost)
+    h = Device(kv, KVClient(f"http://{host}:{port}", SECRET), cost)
     r = h.generate(PROMPT, max_tokens=2, strategy="hybrid", store=False)
     assert r.plan is not None and r.plan.actions[0] == "compute" and "stream" in r.plan.actions
     assert r.replans >= 1  # the loopback link measured far faster: more chunks were streamed
@@ -328,7 +335,7 @@ def test_all_compute_plan_waits_on_no_network(tmp_path):
     cfg = CacheConfig(chunk_size=64, cache_dir=tmp_path / "device")
     kv = EdgeKV(FakeAdapter(), open_store(cfg), cfg)
     slow_link = CostModel(bandwidth_Bps=10.0, rtt_s=0.002, prefill_a_s=0.002, prefill_b_s=0.0)
-    h = HybridLoader(kv, KVClient(f"http://127.0.0.1:{silent.port}", SECRET, timeout_s=20),
+    h = Device(kv, KVClient(f"http://127.0.0.1:{silent.port}", SECRET, timeout_s=20),
                      slow_link)
     r = h.generate(PROMPT, max_tokens=2, strategy="hybrid", store=False)
     assert not h.wait_ready(0)  # the check has not come back, and nothing waited for it
@@ -348,7 +355,7 @@ def test_link_slowing_mid_request_switches_overdue_chunks_to_compute(server, tmp
                     changed_bandwidth_mbps=0.1)
     cost = CostModel(bandwidth_Bps=20e6 / 8, rtt_s=0.001, prefill_a_s=0.05, prefill_b_s=0.0,
                      wire_ratio=1.0)
-    h = HybridLoader(kv, KVClient(f"http://{host}:{port}", SECRET, shaper=shaper), cost)
+    h = Device(kv, KVClient(f"http://{host}:{port}", SECRET, shaper=shaper), cost)
     assert h.wait_ready(10)
     r = h.generate(PROMPT, max_tokens=2, strategy="hybrid", store=False)
     assert r.plan is not None and r.plan.actions[2] == "stream"  # planned at the fast link

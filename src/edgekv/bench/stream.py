@@ -48,7 +48,7 @@ from ..energy import CPU_W_PER_BUSY_CORE
 from ..store import open_store
 from ..stream.client import KVClient
 from ..stream.costmodel import RADIO_J_PER_BYTE, RADIO_W_ACTIVE, CostModel
-from ..stream.hybrid import HybridLoader
+from ..stream.hybrid import HybridLoader, HybridResult
 from ..stream.netem import Shaper
 from ..texts import MANUAL, SYSTEM_PROMPT
 from .report import environment, table
@@ -270,24 +270,24 @@ class _Point:
 
     def _once(self, mode: str, rep: int) -> dict[str, Any]:
         cfg = CacheConfig(cache_dir=self.root / f"dev-{self.tag}-{mode}-{rep}")
-        kv = EdgeKV(self.adapter, open_store(cfg), cfg)
+        h = (None if mode == "plain" else
+             HybridLoader(self._client(rep), copy.deepcopy(self.cost),
+                          strategy="hybrid" if mode == "hybrid_new" else mode))
+        kv = EdgeKV(self.adapter, open_store(cfg), cfg, fill=h)
         try:
+            if h is not None and mode != "hybrid_new":  # a device that keeps a session
+                h.wait_ready(60)
             c0 = time.process_time()
-            if mode == "plain":
-                g = kv.generate(self.prompt, max_tokens=self.max_tokens, store=False)
-                cpu = time.process_time() - c0
+            g = kv.generate(self.prompt, max_tokens=self.max_tokens, store=False,
+                            approximate=False)
+            cpu = time.process_time() - c0
+            if h is None:
                 return {"ttft_s": g.ttft_s, "cpu_s": cpu, "wire": 0, "stream_s": 0.0,
                         "same": self._same(g.first_logits, g.tokens)}
-            h = HybridLoader(kv, self._client(rep), copy.deepcopy(self.cost))
-            if mode != "hybrid_new":  # a device that keeps a session: the check is done
-                h.wait_ready(60)
-                c0 = time.process_time()
-            r = h.generate(self.prompt, max_tokens=self.max_tokens,
-                           strategy="hybrid" if mode == "hybrid_new" else mode, store=False)
-            cpu = time.process_time() - c0
             h.wait_ready(60)
-            return {"ttft_s": r.ttft_s, "cpu_s": cpu, "wire": r.wire_bytes,
-                    "stream_s": r.stream_s, "same": self._same(r.first_logits, r.tokens),
+            r: HybridResult = g.fill_report
+            return {"ttft_s": g.ttft_s, "cpu_s": cpu, "wire": r.wire_bytes,
+                    "stream_s": r.stream_s, "same": self._same(g.first_logits, g.tokens),
                     "streamed": r.streamed_chunks, "computed": r.computed_chunks,
                     "replans": r.replans, "switched": r.switched, "fallback": r.fallback,
                     "executed": r.executed, "handed_back": r.handed_back,

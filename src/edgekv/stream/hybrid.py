@@ -1,9 +1,11 @@
-"""SparKV as a step of the one request path: stream some chunks, compute others, overlap.
+"""SparKV as the fill step of the one request path: stream some chunks, compute others,
+overlap.
 
-`HybridLoader.generate` is `EdgeKV.generate` with this step plugged in (`request.FillStep`):
+An `EdgeKV` built with `fill=HybridLoader(client)` runs it on every request (`request.FillStep`):
 the device's own whole chunks are injected, the step brings the engine to the prompt's last
-whole chunk, the rest is prefilled, answered and stored as for any request. Chunks are taken
-in order: a streamed run that has arrived is appended to what the engine holds
+whole chunk, the rest is prefilled, answered and stored as for any request; the step's account
+of what it did is `GenerationResult.fill_report` (a `HybridResult`). Chunks are taken in
+order: a streamed run that has arrived is appended to what the engine holds
 (`KVAdapter.append_fragments`: computed KV never leaves it); else the device waits for the
 next chunk if it should land before computing it would end, or computes it. A stream that
 ends early re-plans the rest from measurements; a timeout, dropped connection, rejected chunk
@@ -12,13 +14,13 @@ key, tokens, layers) and, at the default f16 level, bit-identical to computed on
 
 Nothing on the network is on the critical path of a request that computes everything: the
 server check (`/v1/info`, whose round trip is the measured RTT the planner uses) and the
-session run on a background thread from construction, the plan is made from the cost model's
-current estimates (the prior until something is measured) before anything waits on the
-network, and an all-compute plan hands the chunks back to the cache's own prefill (exactly a
-request without streaming). A stream waits for the check on its own thread. A chunk that is
-overdue (waited on longer than predicted plus half its compute time: the link slowed down) is
-computed instead; the stream is dropped, the link estimate lowered to what the wait proves,
-and the rest re-planned.
+session run on a background thread from the moment the loader is attached, the plan is made
+from the cost model's current estimates (the prior until something is measured) before
+anything waits on the network, and an all-compute plan hands the chunks back to the cache's
+own prefill (exactly a request without streaming). A stream waits for the check on its own
+thread. A chunk that is overdue (waited on longer than predicted plus half its compute time:
+the link slowed down) is computed instead; the stream is dropped, the link estimate lowered to
+what the wait proves, and the rest re-planned.
 """
 
 from __future__ import annotations
@@ -28,18 +30,19 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import cast
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, cast
 
-import numpy as np
-
-from ..cache import EdgeKV
-from ..errors import ChunkRejected, EdgeKVError, IncompatibleFragment, TransportError
+from ..errors import ChunkRejected, ConfigError, EdgeKVError, IncompatibleFragment, TransportError
 from ..fragment import KVFragment
 from ..request import Filled, FillRequest
 from .client import BackgroundStream, KVClient, Received
 from .costmodel import CostModel
 from .planner import COMPUTE, LOCAL, STREAM, ChunkAction, Plan, plan
+
+if TYPE_CHECKING:
+    from ..config import CacheConfig
+    from ..engines.base import KVAdapter
 
 __all__ = ["HybridLoader", "HybridResult"]
 
@@ -49,17 +52,14 @@ STRATEGIES = ("hybrid", "local", "stream")
 
 @dataclass
 class HybridResult:
-    text: str
-    tokens: tuple[int, ...]
-    first_logits: np.ndarray = field(repr=False)
-    ttft_s: float = 0.0
+    """What the SparKV step did for one request (`GenerationResult.fill_report`)."""
+
     strategy: str = "hybrid"
     plan: Plan | None = None
     local_chunks: int = 0
     streamed_chunks: int = 0
     computed_chunks: int = 0
     wire_bytes: int = 0
-    computed_tokens: int = 0
     replans: int = 0
     fallback: str | None = None  # why streaming stopped early, if it did
     stream_s: float = 0.0  # seconds the radio was receiving (request sent -> last chunk)
@@ -97,35 +97,44 @@ class _Run:
         return self.req.chunk_size * self.req.adapter.fingerprint.kv_bytes_per_token
 
 
-@dataclass(frozen=True, slots=True)
-class _Step:
-    """The executor as `EdgeKV.generate` calls it (`request.FillStep`), for one request."""
-
-    loader: HybridLoader
-    strategy: str
-    res: HybridResult
-
-    def fill(self, request: FillRequest) -> Filled:
-        return self.loader._fill(request, self.strategy, self.res)
-
-
 class HybridLoader:
-    def __init__(self, kv: EdgeKV, client: KVClient | None, cost: CostModel | None = None, *,
-                 codec: str = "f16", objective: str = "ttft",
+    """SparKV's fill step. `strategy`: "hybrid" (planned, re-planned), "stream" (every chunk
+    the device lacks is streamed: the all-stream baseline) or "local" (every such chunk
+    computed); benchmarks may switch it between requests. `client` None: no KV server, every
+    chunk is computed here."""
+
+    whole_chunks = True  # it continues the exact chain walk's whole chunks
+
+    def __init__(self, client: KVClient | None, cost: CostModel | None = None, *,
+                 strategy: str = "hybrid", codec: str = "f16", objective: str = "ttft",
                  max_replans: int | None = None) -> None:
         """`max_replans`: default `CacheConfig.stream_max_replans`."""
-        self.kv, self.client, self.config = kv, client, kv.config
+        if strategy not in STRATEGIES:
+            raise ConfigError(f"strategy must be hybrid, local or stream, not {strategy!r}")
+        self.client, self.strategy = client, strategy
         self.cost = cost or CostModel()
         self.codec, self.objective = codec, objective
-        self.max_replans = self.config.stream_max_replans if max_replans is None else max_replans
+        self._max_replans = max_replans
+        self.fingerprint = ""
         self.server_ok: str | None = None  # reason streaming is off, if it is
         self.rtt_measured_s: float | None = None  # the /v1/info round trip, once measured
         self.setup_s: float | None = None  # how long the background check + session took
         self._ready = threading.Event()
-        if client is None:
+        self._attached = False
+
+    def attach(self, adapter: KVAdapter, config: CacheConfig) -> None:
+        """Bind to the `EdgeKV` it serves (once): its model and chunk size are what the server
+        is checked against, on a background thread that starts now."""
+        if self._attached:
+            raise ConfigError("a HybridLoader serves one EdgeKV; build one per cache")
+        self._attached = True
+        self.config, self.fingerprint = config, adapter.fingerprint.digest
+        self.max_replans = (config.stream_max_replans if self._max_replans is None
+                            else self._max_replans)
+        if self.client is None:
             self._ready.set()
         else:
-            threading.Thread(target=self._setup, args=(client,), daemon=True,
+            threading.Thread(target=self._setup, args=(self.client,), daemon=True,
                              name="edgekv-kv-setup").start()
 
     def _setup(self, client: KVClient) -> None:
@@ -136,9 +145,9 @@ class HybridLoader:
             info = client.info()
             self.rtt_measured_s = time.perf_counter() - t0
             self.cost.observe_rtt(self.rtt_measured_s)
-            if info.get("fingerprint") != self.kv.fingerprint:
+            if info.get("fingerprint") != self.fingerprint:
                 self.server_ok = (f"server model {str(info.get('fingerprint'))[:12]} "
-                                  f"differs from this device's {self.kv.fingerprint[:12]}")
+                                  f"differs from this device's {self.fingerprint[:12]}")
                 log.warning("KV server refused: %s; computing locally", self.server_ok)
             elif info.get("chunk_size") != self.config.chunk_size:
                 self.server_ok = (f"server chunks are {info.get('chunk_size')} tokens, this "
@@ -170,22 +179,11 @@ class HybridLoader:
     def streaming(self) -> bool:
         return self.client is not None and self.server_ok is None
 
-    # -- public API ----------------------------------------------------------------------
-
-    def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 16,
-                 strategy: str = "hybrid", store: bool = True) -> HybridResult:
-        """Answer `prompt` through the cache's request path with this executor as its fill
-        step. `strategy`: "hybrid" (planned, re-planned), "stream" (every chunk the device
-        lacks is streamed: the all-stream baseline) or "local" (every such chunk computed)."""
-        if strategy not in STRATEGIES:
-            raise EdgeKVError(f"strategy must be hybrid, local or stream, not {strategy!r}")
-        res = HybridResult("", (), np.zeros(0, np.float32), strategy=strategy)
-        # strict whole chunks from the device's cache; approximate KV is never streamed onto
-        r = self.kv.generate(prompt, max_tokens=max_tokens, store=store, approximate=False,
-                             fill=_Step(self, strategy, res))
-        res.text, res.tokens, res.first_logits = r.text, r.tokens, r.first_logits
-        res.ttft_s, res.computed_tokens = r.ttft_s, r.computed_tokens
-        return res
+    def fill(self, request: FillRequest) -> Filled:
+        """`request.FillStep`: plan the chunks after what the engine holds, then run the plan;
+        the `HybridResult` is the `Filled.report`."""
+        res = HybridResult(strategy=self.strategy)
+        return replace(self._fill(request, self.strategy, res), report=res)
 
     # -- execution -----------------------------------------------------------------------
 

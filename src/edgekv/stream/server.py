@@ -220,17 +220,6 @@ def _keys(body: dict[str, Any], limit: int) -> list[str]:
     return keys
 
 
-def _vocab_size(adapter: object) -> int | None:
-    """The vocabulary of a real engine (llama.cpp aborts on a token id outside it); the fake
-    engine takes any id."""
-    for name in ("n_vocab", "_n_vocab"):
-        v = getattr(adapter, name, None)
-        v = v() if callable(v) else v
-        if isinstance(v, int) and v > 0:
-            return v
-    return None
-
-
 # -- sessions -------------------------------------------------------------------------------
 
 class _Session:
@@ -639,12 +628,12 @@ class KVServer:
             raise EdgeKVError("this server has no engine (started with --no-engine)")
         tokens, prompt = body.get("tokens"), body.get("prompt")
         if tokens is not None:
-            vocab = _vocab_size(self.engine.adapter)
+            vocab = self.engine.adapter.n_vocab
             if not isinstance(tokens, list) or not all(
-                    type(t) is int and 0 <= t < (vocab or 1 << 31)  # noqa: E721
+                    type(t) is int and 0 <= t < vocab  # noqa: E721
                     for t in tokens):
                 raise ValueError(f"tokens must be a list of token ids in [0, "
-                                 f"{vocab or 2**31})")
+                                 f"{vocab})")
             what: Any = tokens
         elif isinstance(prompt, str):
             what = prompt
@@ -655,12 +644,12 @@ class KVServer:
         with self._engine_lock:
             if self._state == "closed":
                 raise EdgeKVError("the kv-server is shutting down")
-            ids = self.engine.prepare(what, max_tokens=1)
-            r = self.engine.generate(ids, max_tokens=1, salt=tenant,
-                                     namespace=KV_SERVER_TENANTS)
-            keys = self.engine.chunk_keys(ids, tenant, KV_SERVER_TENANTS)
-        self._remember(list(keys), tenant_root(self.fingerprint, tenant, KV_SERVER_TENANTS))
-        return {"keys": keys, "stored": r.stored_fragments, "prompt_tokens": len(ids)}
+            req = self.engine.prepare(what, max_tokens=1, salt=tenant,
+                                      namespace=KV_SERVER_TENANTS)
+            r = self.engine.generate(req)
+        self._remember(list(req.keys), req.root)
+        return {"keys": list(req.keys), "stored": r.stored_fragments,
+                "prompt_tokens": len(req.tokens)}
 
     def has(self, session: _Session, keys: list[str]) -> list[bool]:
         return [self.reader.contains(k) and self._owns(session.root, k) for k in keys]
