@@ -47,21 +47,23 @@ __version__ = "0.1.0"
 def open_llamacpp(model: str | Path | None = None, config: CacheConfig | None = None, *,
                   n_ctx: int = 2048, n_threads: int | None = None, semantic: bool = False,
                   prefetch: bool = False, engine: str = "llamacpp",
-                  fill: FillStep | None = None, **llama_kwargs: object) -> EdgeKV:
+                  fill: FillStep | None = None, store_url: str | None = None,
+                  **llama_kwargs: object) -> EdgeKV:
     """An EdgeKV over an engine (llama.cpp by default, `engine="torch"` or `"onnx"`) with the
     default RAM + disk store (model: SmolLM2 by default).
 
     `semantic=True` adds MiniLM + HNSW routing (index kept beside the disk store);
     `prefetch=True` adds the n-gram prefetcher that warms predicted contexts into RAM;
     `fill`: the step between injection and prefill, e.g. SparKV loading from a KV server
-    (`stream.hybrid.HybridLoader`).
+    (`stream.hybrid.HybridLoader`); `store_url`: the store behind RAM instead of the disk
+    store (`store.open_store_url`: redis://... shares fragments between processes).
     """
     from .engines import open_adapter
 
     config = config or CacheConfig.from_env()
     adapter = open_adapter(engine, model, n_ctx=n_ctx, n_threads=n_threads,
                            memo_dir=config.cache_dir, **llama_kwargs)
-    store = open_store(config)
+    store = open_store(config, store_url)
     router = None
     if semantic:
         from .semantic import MiniLMEmbedder

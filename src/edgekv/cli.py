@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .config import CacheConfig
-from .errors import EdgeKVError, ModelNotFound
+from .errors import ConfigError, EdgeKVError, ModelNotFound
 
 if TYPE_CHECKING:
     from .cache import EdgeKV
@@ -29,26 +29,56 @@ def _open(args: argparse.Namespace) -> EdgeKV:
     from .engines.models import resolve_model
 
     resolve_model(args.model)  # a bad --model is reported as such, before anything else loads
-    semantic = not getattr(args, "no_semantic", True)
+    semantic = not args.no_semantic
     cfg = _config(args)
-    if getattr(args, "approximate", False):
+    if args.approximate or args.passage_reuse:
         import dataclasses
 
-        cfg = dataclasses.replace(cfg, approximate=True)
-    if getattr(args, "passage_reuse", False):
-        import dataclasses
-
-        cfg = dataclasses.replace(cfg, passage_reuse=True)
+        cfg = dataclasses.replace(cfg, approximate=args.approximate,
+                                  passage_reuse=args.passage_reuse)
+    fill = _kv_loader(args)
+    kwargs: dict[str, Any] = {"flash_attn": True} if args.flash_attn else {}
     try:
-        kwargs = {"flash_attn": True} if getattr(args, "flash_attn", False) else {}
         return open_llamacpp(args.model, cfg, n_ctx=args.n_ctx, semantic=semantic,
-                             engine=args.engine, **kwargs)
+                             engine=args.engine, fill=fill, **kwargs)
     except (ImportError, ModelNotFound) as e:
         if not semantic:
             raise
         print(f"edgekv: semantic routing unavailable ({e}); exact prefix reuse only",
               file=sys.stderr)
-        return open_llamacpp(args.model, cfg, n_ctx=args.n_ctx, semantic=False, engine=args.engine)
+        return open_llamacpp(args.model, cfg, n_ctx=args.n_ctx, semantic=False,
+                             engine=args.engine, fill=_kv_loader(args), **kwargs)
+
+
+def _kv_loader(args: argparse.Namespace) -> Any:
+    """SparKV's fill step for `--kv-server` (a `stream.hybrid.HybridLoader`), or None; the
+    switches that need it, or that it cannot combine with, are refused here, before loading."""
+    kv_only = [f"--{n.replace('_', '-')}" for n in ("kv_secret_file", "kv_tenant", "kv_link")
+               if getattr(args, n) is not None]
+    if args.kv_server is None:
+        if kv_only:
+            raise ConfigError(f"{', '.join(kv_only)} need --kv-server URL")
+        return None
+    if args.passage_reuse:
+        raise ConfigError("--kv-server and --passage-reuse do not combine yet; use one")
+    if args.no_cache:
+        raise ConfigError("--no-cache answers every request cold; drop --kv-server")
+    from .stream.hybrid import HybridLoader
+    from .stream.server import load_secret
+
+    link = None
+    if args.kv_link is not None:
+        try:
+            mbps, rtt = (float(x) for x in args.kv_link.split(","))
+        except ValueError:
+            raise ConfigError(f"--kv-link {args.kv_link!r}: give MBPS,RTT_MS, e.g. 20,40"
+                              ) from None
+        if mbps <= 0 or rtt < 0:
+            raise ConfigError(f"--kv-link {args.kv_link!r}: Mbit/s > 0 and RTT >= 0")
+        link = (mbps, rtt)
+    path = Path(args.kv_secret_file or _config(args).cache_dir / "kv-server.secret")
+    return HybridLoader.connect(args.kv_server, load_secret(path), tenant=args.kv_tenant or "",
+                                link=link)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -69,7 +99,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             msgs = ([{"role": "system", "content": args.system}] if args.system else [])
             asked = chat_tokens(kv.adapter, msgs + [{"role": "user", "content": prompt}])
         r = kv.generate(asked, max_tokens=args.max_tokens, temperature=args.temperature,
-                        seed=args.seed, use_cache=not args.no_cache, passages=passages)
+                        seed=args.seed, use_cache=not args.no_cache, passages=passages,
+                        salt=args.kv_tenant or "")  # a KV-server tenant's own chain
     finally:
         kv.close()
         kv.adapter.close()
@@ -85,7 +116,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "ttft_ms": round(r.ttft_s * 1000, 3), "total_ms": round(r.total_s * 1000, 3),
             "stored_fragments": r.stored_fragments, "source_tiers": list(r.source_tiers),
             "rejections": list(r.rejections), "route": route,
-            "passages": r.passages.as_dict() if r.passages else None}))
+            "passages": r.passages.as_dict() if r.passages else None,
+            "edgekv": r.summary()}))
     else:
         print(r.text)
         tier = f" from {'/'.join(sorted(set(r.source_tiers)))}" if r.source_tiers else ""
@@ -309,10 +341,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           "`pip install -e '.[serve]'`") from None
     from .engines.models import resolve_model
 
+    if args.no_cache:
+        on = [f"--{n.replace('_', '-')}" for n in ("semantic", "prefetch", "passage_reuse",
+                                                   "approximate") if getattr(args, n)]
+        if on:
+            raise ConfigError(f"--no-cache answers every request cold; drop {', '.join(on)}")
+    if args.approximate and not args.semantic:
+        raise ConfigError("--approximate finds similar prompts through semantic routing: add "
+                          "--semantic")
+    fill = _kv_loader(args)  # its switches are checked before the socket is up
     opts = ServeOptions(api_keys=api_keys(args.api_key or (), args.api_key_file or ()),
-                        max_queue=args.max_queue, use_cache=not args.no_cache)  # keys first
+                        max_queue=args.max_queue, use_cache=not args.no_cache,
+                        allow_approximate=args.approximate,
+                        kv_tenant=args.kv_tenant if fill is not None else None)  # keys first
     model = resolve_model(args.model)  # a bad --model fails now, not after the socket is up
     cfg = _config(args)
+    if args.passage_reuse:
+        import dataclasses
+
+        cfg = dataclasses.replace(cfg, passage_reuse=True)
 
     def announce(url: str) -> None:
         print(f"edgekv serve: listening on {url} (OpenAI API under {url}/v1; model "
@@ -320,7 +367,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     return run(lambda: load_edgekv(model, cfg, n_ctx=args.n_ctx, engine=args.engine,
                                    store_url=args.store, n_threads=args.threads,
-                                   flash_attn=args.flash_attn),
+                                   flash_attn=args.flash_attn, semantic=args.semantic,
+                                   prefetch=args.prefetch, fill=fill),
                model_id=model.stem, options=opts, host=args.host, port=args.port,
                announce=announce, log_level="info" if args.verbose else "warning")
 
@@ -383,6 +431,23 @@ def build_parser() -> argparse.ArgumentParser:
                         "patched-lib, then LLAMA_CPP_LIB_PATH=build/patched-lib "
                         "GGML_CPU_BATCH_INVARIANT=1); elsewhere whole chunks")
 
+    def kv_server_opts(sp: argparse.ArgumentParser) -> None:
+        k = sp.add_argument_group("SparKV: load KV from an `edgekv kv-server`")
+        k.add_argument("--kv-server", metavar="URL",
+                       help="stream or compute each prompt chunk the device lacks, per the "
+                       "cost model, re-planned as it runs, local compute when the network "
+                       "fails; chunks computed here are published (the server precomputes "
+                       "the prompt, in the background) for the next device")
+        k.add_argument("--kv-secret-file", metavar="PATH",
+                       help="the kv-server's --secret-file, or a tenant's secret where the "
+                       "server has tenants (default: <cache dir>/kv-server.secret)")
+        k.add_argument("--kv-tenant", metavar="NAME",
+                       help="the kv-server tenant the secret belongs to: requests are keyed "
+                       "in its chain, so it streams its own chunks")
+        k.add_argument("--kv-link", metavar="MBPS,RTT_MS",
+                       help="shape the link to the kv-server in this process (measurement "
+                       "over loopback), e.g. 20,40")
+
     g = sub.add_parser("generate", help="answer a prompt, reusing cached KV")
     g.add_argument("prompt", help="prompt text, or - to read stdin")
     g.add_argument("--max-tokens", type=int, default=64)
@@ -402,6 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "passages are reused wherever they sit (approximate, changes output)")
     engine_opts(g)
     flash_attn_opt(g)
+    kv_server_opts(g)
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("cache", help="inspect or empty the fragment store")
@@ -502,8 +568,26 @@ def build_parser() -> argparse.ArgumentParser:
                     help="answer every request cold, storing nothing (a reference run)")
     sv.add_argument("--max-queue", type=int, default=16,
                     help="waiting requests per tenant before 429 (default 16)")
+    r = sv.add_argument_group("reuse beyond exact prefixes (each labelled in the response's "
+                              "edgekv object)")
+    r.add_argument("--semantic", action="store_true",
+                   help="MiniLM + HNSW three-tier routing: each request's tier (exact, "
+                   "partial, miss) in the X-EdgeKV-Tier header, the edgekv object and "
+                   "/metrics (edgekv_route_tier_total)")
+    r.add_argument("--prefetch", action="store_true",
+                   help="n-gram prefetch: warm the predicted next context from disk into "
+                   "RAM; hit rate in /metrics (edgekv_prefetch_hit_rate)")
+    r.add_argument("--passage-reuse", action="store_true",
+                   help="accept a `documents` field (strings, or {text, title}) on chat and "
+                   "text completions: each is a passage placed before the conversation, its "
+                   "cached KV reused wherever it sits (approximate, labelled)")
+    r.add_argument("--approximate", action="store_true",
+                   help="let a request ask `\"approximate\": true`: the seed's similarity "
+                   "injection (another prompt's KV where tokens differ; changes output, "
+                   "labelled; needs --semantic). Refused per request without this switch")
     engine_opts(sv)
     flash_attn_opt(sv)
+    kv_server_opts(sv)
     sv.set_defaults(func=cmd_serve)
 
     d = sub.add_parser("demo", help="cold vs warm on real prompts (what `make run` shows)")

@@ -21,10 +21,15 @@ import numpy as np
 from .errors import FragmentError
 from .keys import token_bytes
 
-__all__ = ["KVFragment", "MAX_SPAN", "MIN_SPAN", "common_prefix", "content_hash", "next_expiry"]
+__all__ = ["KVFragment", "MAX_SPAN", "MIN_SPAN", "PASSAGE_MIN_SPAN", "PASSAGE_PARENT",
+           "common_prefix", "content_hash", "next_expiry"]
 
 MIN_SPAN = 64  # seed: token span in [64, 2048]
 MAX_SPAN = 2048
+# passage reuse's fragments (`passages`: one passage's own KV, never part of a chain) carry
+# this parent key and have a minimum of their own: a RAG passage is often a sentence or two
+PASSAGE_PARENT = "passages"
+PASSAGE_MIN_SPAN = 1
 KV_DTYPES = {"f16": np.float16, "f32": np.float32}
 
 
@@ -70,8 +75,9 @@ class KVFragment:
         span = self.token_end - self.token_start
         if self.token_start < 0:
             raise _fail("token_start", self.token_start, ">= 0")
-        if not MIN_SPAN <= span <= MAX_SPAN:
-            raise _fail("token_end - token_start", span, f"[{MIN_SPAN}, {MAX_SPAN}] tokens")
+        lo = PASSAGE_MIN_SPAN if self.parent_key == PASSAGE_PARENT else MIN_SPAN
+        if not lo <= span <= MAX_SPAN:
+            raise _fail("token_end - token_start", span, f"[{lo}, {MAX_SPAN}] tokens")
         if self.layer_stride < 1:
             raise _fail("layer_stride", self.layer_stride, ">= 1")
         if self.n_layer_model < 1:

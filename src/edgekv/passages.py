@@ -39,7 +39,7 @@ import numpy as np
 
 from .engines.base import FragmentSpec, KVAdapter, PassageEngine, ShiftableKV
 from .errors import ConfigError, EdgeKVError, UnsupportedLayout
-from .fragment import MAX_SPAN, MIN_SPAN, KVFragment
+from .fragment import MAX_SPAN, PASSAGE_MIN_SPAN, PASSAGE_PARENT, KVFragment
 from .keys import passage_key
 
 if TYPE_CHECKING:
@@ -59,9 +59,8 @@ POLICIES = ("epic", "blend")
 # anything.
 BLEND_LAYER = 1
 BLEND_BLOCK = 8
-# the parent key of every passage fragment: never a chain's root, so the prefix lookup's radix
-# step (which lists a parent's children) never meets a passage
-PASSAGE_PARENT = "passages"
+# the parent key of every passage fragment (`fragment.PASSAGE_PARENT`): never a chain's root,
+# so the prefix lookup's radix step (which lists a parent's children) never meets a passage
 BLEND_PREFIX = ("The following passages were retrieved from the Python documentation to help "
                 "answer a question about the standard library.\n\n")
 
@@ -174,6 +173,8 @@ class PassageReport:
     computed_passages: int  # not cached (new, or outside the fragment span range): computed
     exact_passages: int  # placed after the same tokens they were cached after: exact
     restores: int  # state restores (llama.cpp: one per cached run)
+    # the passages none of whose KV came from the cache: (index, tokens, why)
+    not_reused: tuple[tuple[int, int, str], ...] = ()
 
     @property
     def approximate(self) -> bool:
@@ -186,7 +187,9 @@ class PassageReport:
                 "passages": self.passages, "passage_tokens": self.passage_tokens,
                 "reused_tokens": self.reused_tokens, "recomputed_tokens": self.recomputed_tokens,
                 "computed_passages": self.computed_passages,
-                "exact_passages": self.exact_passages, "restores": self.restores}
+                "exact_passages": self.exact_passages, "restores": self.restores,
+                "not_reused": [{"passage": i, "tokens": n, "reason": why}
+                               for i, n, why in self.not_reused]}
 
 
 class PassageReuse:
@@ -211,7 +214,7 @@ class PassageReuse:
         tokens = list(self.anchor)
         spans = []
         for text in passages:
-            ids = tuple(a.tokenize(text, add_bos=False))
+            ids = tuple(a.tokenize(text, add_bos=False, special=False))  # text only
             if ids:
                 spans.append(PassageSpan(len(tokens), ids, passage_key(fp, ids, self.anchor)))
                 tokens.extend(ids)
@@ -232,7 +235,7 @@ class PassageReuse:
         the configured policy is blend; else it is measured when a request first needs it)."""
         n = 0
         for text in passages:
-            ids = tuple(self.adapter.tokenize(text, add_bos=False))
+            ids = tuple(self.adapter.tokenize(text, add_bos=False, special=False))
             key = passage_key(self.adapter.fingerprint.digest, ids, self.anchor)
             if not self._cacheable(ids):
                 continue
@@ -264,15 +267,25 @@ class PassageReuse:
         runs: list[PlacedRun] = []
         pos = held
         reused = recomputed = 0
+        index = {sp.key: i for i, sp in enumerate(layout.spans)}
+        not_reused: list[tuple[int, int, str]] = []
         for s, f in zip(todo, frags, strict=True):
             if pos < s.start:
                 runs.append(PlacedRun(layout.tokens[pos : s.start]))
             pos = s.start + len(s.tokens)
             if f is None:
                 runs.append(PlacedRun(s.tokens))
+                not_reused.append((index[s.key], len(s.tokens), (
+                    f"longer than the {MAX_SPAN}-token fragment maximum: computed, not cached"
+                    if not self._cacheable(s.tokens) else
+                    "not cached yet: computed here, cached after the answer")))
                 continue
             keys = self.engine.shift_keys(f.keys, s.start - f.token_start)
             mask = masks.get(s.key, np.zeros(len(s.tokens), bool))
+            if mask.all():
+                not_reused.append((index[s.key], len(s.tokens),
+                                   f"every token is within the recompute budget "
+                                   f"({policy.label}): recomputed"))
             for lo, hi, compute in _runs(mask):
                 if compute:
                     runs.append(PlacedRun(s.tokens[lo:hi]))
@@ -289,7 +302,8 @@ class PassageReuse:
             policy=policy.label, passages=len(layout.spans),
             passage_tokens=sum(len(s.tokens) for s in layout.spans), reused_tokens=reused,
             recomputed_tokens=recomputed, computed_passages=len(todo) - len(placed),
-            exact_passages=len(exact), restores=self.engine.restores - before)
+            exact_passages=len(exact), restores=self.engine.restores - before,
+            not_reused=tuple(not_reused))
 
     def store_missing(self, layout: PassageLayout) -> int:
         """Cache the request's passages that were not cached (after the answer: each is
@@ -304,7 +318,7 @@ class PassageReuse:
     # -- private helpers -----------------------------------------------------------------
 
     def _cacheable(self, ids: Sequence[int]) -> bool:
-        return MIN_SPAN <= len(ids) <= MAX_SPAN  # the fragment span range
+        return PASSAGE_MIN_SPAN <= len(ids) <= MAX_SPAN  # a passage fragment's span range
 
     def _fragment(self, span: PassageSpan) -> KVFragment | None:
         if not self._cacheable(span.tokens):

@@ -219,6 +219,14 @@ class GenerationResult:
         router."""
         return None if self.match.tier == "none" else self.match.tier
 
+    def summary(self) -> dict[str, Any]:
+        """What reuse did, as `edgekv serve` reports it beside `usage` (the `edgekv` object:
+        its keys are a contract)."""
+        return {"cached_tokens": self.cached_tokens, "streamed_tokens": self.streamed_tokens,
+                "computed_tokens": self.computed_tokens, "tier": self.tier,
+                "approximate": self.approximate,
+                "passages": None if self.passages is None else self.passages.as_dict()}
+
     @property
     def approximate(self) -> bool:
         """Whether any KV this answer rests on is not this prompt's own (approximate reuse, or

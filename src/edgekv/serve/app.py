@@ -61,6 +61,7 @@ class ServeOptions:
     max_body_bytes: int = 1 << 20  # a 2k-token context is ~10 KB of text; 1 MiB is generous
     use_cache: bool = True  # False: every request runs cold (the reference in benchmarks)
     allow_approximate: bool = False  # --approximate: a request may ask `"approximate": true`
+    kv_tenant: str | None = None  # --kv-server: untenanted requests use this tenant's chain
 
     def __post_init__(self) -> None:
         if self.max_queue < 1 or (self.max_waiting is not None and self.max_waiting < 1):
@@ -132,7 +133,8 @@ class _Server:
             self._serve(self._loader())
 
     def _serve(self, kv: EdgeKV) -> None:
-        self.served = ServedModel(kv, self.model_id, use_cache=self.options.use_cache)
+        self.served = ServedModel(kv, self.model_id, use_cache=self.options.use_cache,
+                                  kv_tenant=self.options.kv_tenant)
         if kv.router is not None:
             self.metrics.routing()
 

@@ -24,7 +24,7 @@ from ..cache import EdgeKV
 from ..chat import ChatTokenizer
 from ..engines.constraint import Chain, Constraint, Grammar, grammar_constraint
 from ..errors import EdgeKVError, EngineError
-from ..keys import SERVE_TENANTS
+from ..keys import KV_SERVER_TENANTS, SERVE_TENANTS
 from .decode import IncrementalText
 from .errors import APIError, bad_request, from_library_error
 from .logprobs import LogprobRecorder, TokenLogprob
@@ -85,8 +85,12 @@ class Finished(FinalEvent):  # the job's last event (see Job.next_event)
 class ServedModel:
     """The loaded EdgeKV and what the HTTP side needs to know about its model."""
 
-    def __init__(self, kv: EdgeKV, model_id: str, *, use_cache: bool = True) -> None:
+    def __init__(self, kv: EdgeKV, model_id: str, *, use_cache: bool = True,
+                 kv_tenant: str | None = None) -> None:
+        """`kv_tenant` (with --kv-server): the KV-server tenant whose chain the untenanted
+        requests (no API key, no cache_salt) are keyed in, so that they stream its chunks."""
         self.kv, self.model_id, self.use_cache = kv, model_id, use_cache
+        self.kv_tenant = kv_tenant
         a = kv.adapter
         self.n_ctx = int(a.n_ctx)
         self.chat_template: str | None = a.chat_template()
@@ -157,7 +161,8 @@ class ServedModel:
                 tokens = tokens[len(self.anchor):]
             with self._tokenizing:  # as passages.PassageReuse.layout tokenizes them
                 docs = len(self.anchor) + sum(
-                    len(self.kv.adapter.tokenize(p, add_bos=False)) for p in passages)
+                    len(self.kv.adapter.tokenize(p, add_bos=False, special=False))
+                    for p in passages)
         if not tokens:
             raise bad_request("the prompt is empty; give at least one token", param="prompt")
         room = self.n_ctx - docs - len(tokens)
@@ -211,11 +216,14 @@ class ServedModel:
             emit(text.push(token))
             return not text.stopped
 
+        salt, namespace = req.salt, SERVE_TENANTS
+        if not salt and self.kv_tenant:  # the device's own requests: its KV-server chain
+            salt, namespace = self.kv_tenant, KV_SERVER_TENANTS
         t0 = time.perf_counter()
         try:
             r = self.kv.generate(list(req.tokens), max_tokens=req.max_tokens,
                                  temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                                 on_token=on_token, salt=req.salt, namespace=SERVE_TENANTS,
+                                 on_token=on_token, salt=salt, namespace=namespace,
                                  use_cache=self.use_cache, constraint=constraint,
                                  approximate=req.approximate,
                                  passages=None if req.passages is None else list(req.passages))

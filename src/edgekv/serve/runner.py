@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from ..cache import EdgeKV
 from ..config import CacheConfig
 from ..errors import EdgeKVError, EngineError
+from ..request import FillStep
 from .app import ServeOptions, create_app
 
 if TYPE_CHECKING:
@@ -30,25 +31,20 @@ log = logging.getLogger(__name__)
 
 def load_edgekv(model: str | Path | None, config: CacheConfig, *, n_ctx: int = 2048,
                 engine: str = "llamacpp", store_url: str | None = None,
-                n_threads: int | None = None, flash_attn: bool = False) -> EdgeKV:
-    """The EdgeKV the server uses: RAM in front of the disk store, or of `store_url`
-    (`redis://...` shares fragments between server processes). `flash_attn`: llama.cpp's
-    flash attention (exact reuse at any token only where the probe passes: the patched build
-    with GGML_CPU_BATCH_INVARIANT=1; elsewhere whole chunks)."""
-    kwargs: dict[str, object] = {"flash_attn": True} if flash_attn else {}
-    if store_url is None:
-        from .. import open_llamacpp
+                n_threads: int | None = None, flash_attn: bool = False,
+                semantic: bool = False, prefetch: bool = False,
+                fill: FillStep | None = None) -> EdgeKV:
+    """The EdgeKV the server uses (`open_llamacpp`): RAM in front of the disk store, or of
+    `store_url` (`redis://...` shares fragments between server processes); `semantic`,
+    `prefetch`, `fill` (SparKV from a KV server) as there. `flash_attn`: llama.cpp's flash
+    attention (exact reuse at any token only where the probe passes: the patched build with
+    GGML_CPU_BATCH_INVARIANT=1; elsewhere whole chunks)."""
+    from .. import open_llamacpp
 
-        return open_llamacpp(model, config, n_ctx=n_ctx, engine=engine, n_threads=n_threads,
-                             **kwargs)  # type: ignore[arg-type]
-    from ..engines import open_adapter
-    from ..store import MemoryStore, TieredStore, open_store_url
-
-    adapter = open_adapter(engine, model, n_ctx=n_ctx, n_threads=n_threads,
-                           memo_dir=config.cache_dir, **kwargs)
-    store = TieredStore(MemoryStore(config.ram_capacity_bytes),
-                        open_store_url(store_url, config.disk_capacity_bytes))
-    return EdgeKV(adapter, store, config)
+    kwargs: dict[str, Any] = {"flash_attn": True} if flash_attn else {}
+    return open_llamacpp(model, config, n_ctx=n_ctx, engine=engine, n_threads=n_threads,
+                         semantic=semantic, prefetch=prefetch, fill=fill, store_url=store_url,
+                         **kwargs)
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -30,9 +30,9 @@ def open_store_url(url: str, capacity_bytes: int) -> FragmentStore:
     return DiskStore(Path(path), capacity_bytes)
 
 
-def open_store(config: CacheConfig) -> TieredStore:
-    """The default two tiers: RAM (LRU) in front of the embedded disk store."""
-    return TieredStore(
-        MemoryStore(config.ram_capacity_bytes),
-        DiskStore(config.cache_dir / "store", config.disk_capacity_bytes),
-    )
+def open_store(config: CacheConfig, url: str | None = None) -> TieredStore:
+    """The default two tiers: RAM (LRU) in front of the embedded disk store, or of the store
+    at `url` (`open_store_url`: PATH, file://PATH, redis://..., shared between processes)."""
+    behind = (DiskStore(config.cache_dir / "store", config.disk_capacity_bytes) if url is None
+              else open_store_url(url, config.disk_capacity_bytes))
+    return TieredStore(MemoryStore(config.ram_capacity_bytes), behind)

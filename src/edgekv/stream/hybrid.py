@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, cast
 
 from ..errors import ChunkRejected, ConfigError, EdgeKVError, IncompatibleFragment, TransportError
 from ..fragment import KVFragment
+from ..keys import KV_SERVER_TENANTS, tenant_root
 from ..request import Filled, FillRequest
 from .client import BackgroundStream, KVClient, Received
 from .costmodel import CostModel
@@ -107,11 +108,15 @@ class HybridLoader:
 
     def __init__(self, client: KVClient | None, cost: CostModel | None = None, *,
                  strategy: str = "hybrid", codec: str = "f16", objective: str = "ttft",
-                 max_replans: int | None = None) -> None:
-        """`max_replans`: default `CacheConfig.stream_max_replans`."""
+                 max_replans: int | None = None, publish: bool = False) -> None:
+        """`max_replans`: default `CacheConfig.stream_max_replans`. `publish`: after a request
+        that computed chunks here, ask the server (in the background, off the request path)
+        to precompute its prompt, so that the next device that sends it streams them."""
         if strategy not in STRATEGIES:
             raise ConfigError(f"strategy must be hybrid, local or stream, not {strategy!r}")
-        self.client, self.strategy = client, strategy
+        self.client, self.strategy, self.publish = client, strategy, publish
+        self.published = self.publish_failures = 0
+        self._published_keys: set[str] = set()
         self.cost = cost or CostModel()
         self.codec, self.objective = codec, objective
         self._max_replans = max_replans
@@ -122,6 +127,21 @@ class HybridLoader:
         self._ready = threading.Event()
         self._attached = False
 
+    @classmethod
+    def connect(cls, url: str, secret: bytes, *, tenant: str = "", fingerprint: str | None = None,
+                link: tuple[float, float] | None = None, timeout_s: float | None = None,
+                publish: bool = True) -> HybridLoader:
+        """A loader for the `edgekv kv-server` at `url` (`secret`: its secret file's, or the
+        tenant's where the server has tenants). `link` = (Mbit/s, RTT ms): shape the link in
+        this process (`netem.Shaper`), to measure a slower network over loopback."""
+        from .netem import Shaper
+
+        kw: dict[str, object] = {} if timeout_s is None else {"timeout_s": timeout_s}
+        shaper = None if link is None else Shaper(bandwidth_mbps=link[0], rtt_ms=link[1])
+        return cls(KVClient(url, secret, tenant=tenant, fingerprint=fingerprint, shaper=shaper,
+                            **kw),  # type: ignore[arg-type]
+                   publish=publish)
+
     def attach(self, adapter: KVAdapter, config: CacheConfig) -> None:
         """Bind to the `EdgeKV` it serves (once): its model and chunk size are what the server
         is checked against, on a background thread that starts now."""
@@ -129,6 +149,10 @@ class HybridLoader:
             raise ConfigError("a HybridLoader serves one EdgeKV; build one per cache")
         self._attached = True
         self.config, self.fingerprint = config, adapter.fingerprint.digest
+        # the chain the server's tenant owns: only requests keyed in it can stream (and
+        # publish); another tenant's request computes here, as with no server
+        self.root = tenant_root(self.fingerprint, self.client.tenant if self.client else "",
+                                KV_SERVER_TENANTS)
         self.max_replans = (config.stream_max_replans if self._max_replans is None
                             else self._max_replans)
         if self.client is None:
@@ -183,7 +207,34 @@ class HybridLoader:
         """`request.FillStep`: plan the chunks after what the engine holds, then run the plan;
         the `HybridResult` is the `Filled.report`."""
         res = HybridResult(strategy=self.strategy)
-        return replace(self._fill(request, self.strategy, res), report=res)
+        if request.request.root != self.root:  # nothing of its chain is on the server
+            res.fallback = "the request's tenant chain is not the KV server tenant's"
+            res.handed_back, res.local_chunks = True, request.held // request.chunk_size
+            res.computed_chunks = request.n_chunks - res.local_chunks
+            return Filled(request.held, report=res)
+        filled = self._fill(request, res.strategy, res)
+        if self.publish and self.streaming and res.computed_chunks:
+            self._publish(request)
+        return replace(filled, report=res)
+
+    def _publish(self, req: FillRequest) -> None:
+        """Ask the server to hold this prompt's chunks (once per prompt), on a thread."""
+        last = req.keys[req.n_chunks - 1] if req.n_chunks else None
+        if last is None or last in self._published_keys or self.client is None:
+            return
+        self._published_keys.add(last)
+        client, tokens = self.client, list(req.tokens)
+
+        def run() -> None:
+            try:
+                client.precompute(tokens)
+                self.published += 1
+            except TransportError as e:
+                self.publish_failures += 1
+                self._published_keys.discard(last)
+                log.warning("KV server precompute failed (%s); the next device computes", e)
+
+        threading.Thread(target=run, daemon=True, name="edgekv-kv-publish").start()
 
     # -- execution -----------------------------------------------------------------------
 
