@@ -50,9 +50,10 @@ run: setup
 	@echo; echo "== edgekv serve: the OpenAI API, two chat requests sharing a system prompt =="
 	HF_HUB_OFFLINE=1 $(BIN)/python scripts/serve_demo.py --cache-dir bench-out/serve-demo
 
-# ruff (style, imports, bugbear, pyupgrade; pyproject.toml) and mypy (src/edgekv) before tests
+# ruff (style, imports, bugbear, pyupgrade; pyproject.toml) and mypy (src/edgekv and the
+# harness) before tests
 lint: setup
-	$(BIN)/ruff check src tests scripts
+	$(BIN)/ruff check src tests scripts harness
 	$(BIN)/mypy
 
 test: setup lint

@@ -1,5 +1,5 @@
-"""Fixtures' half of `edgekv.bench.redis_servers`: a missing redis-server skips the test, or
-fails it under `make test` (EDGEKV_REQUIRE_REAL=1)."""
+"""Fixtures' half of `edgekv_harness.redis_servers` (harness/): a missing redis-server skips
+the test, or fails it under `make test` (EDGEKV_REQUIRE_REAL=1)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from edgekv import CacheConfig, EdgeKV
-from edgekv.bench.faults import fault_prompts
-from edgekv.bench.faults_redis import Engine
-from edgekv.bench.redis_servers import RedisCluster3, RedisServer, cluster, redis_exe, server
 from edgekv.engines.fake import FakeAdapter
 from edgekv.store import MemoryStore
+from edgekv_harness.faults import fault_prompts
+from edgekv_harness.faults_redis import Engine
+from edgekv_harness.redis_servers import RedisCluster3, RedisServer, cluster, redis_exe, server
 
 from .conftest import require_real
 

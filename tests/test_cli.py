@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from edgekv.cli import main
 
 
@@ -36,3 +38,65 @@ def test_bad_workload_line_names_file_and_line(tmp_path, capsys):
     code = main(["bench", "seed", "--workload", str(wl), "--json", str(tmp_path / "o.json")])
     err = capsys.readouterr().err
     assert code == 2 and "w.jsonl:2" in err and "prompt" in err
+
+
+def test_bench_lists_every_benchmark(capsys):
+    from edgekv.cli import BENCHES, HARNESS_BENCHES
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0
+    for name in (*BENCHES, *HARNESS_BENCHES):
+        assert f"    {name} " in out, name
+
+
+@pytest.mark.parametrize("argv", [
+    ["bench", "codec", "--requests", "3"],       # serve's, seed's, ...: not codec's
+    ["bench", "serve", "--modes", "plain"],      # seed's
+    ["bench", "kernels", "--engine", "torch"],   # reuse's and seed's
+    ["bench", "fuzz", "--duration", "1"],        # faults'
+    ["bench", "faults", "--inputs", "10"],       # fuzz's
+    ["bench", "stream", "--n-ctx", "512"],
+])
+def test_an_option_of_another_bench_is_an_argparse_error(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_bench_options_keep_their_names_and_defaults():
+    from edgekv.cli import build_parser
+
+    p = build_parser()
+    a = p.parse_args(["bench", "serve", "--servers", "edgekv", "--requests", "24",
+                      "--threads", "1"])
+    assert (a.bench, a.servers, a.requests, a.threads, a.max_tokens, a.n_ctx) == \
+        ("serve", "edgekv", 24, 1, 48, 2048)
+    a = p.parse_args(["bench", "seed", "--workload", "chat", "--modes", "plain,edgekv_strict"])
+    assert (a.workload, a.modes, a.requests, a.seed, a.engine) == \
+        ("chat", "plain,edgekv_strict", None, 0, "llamacpp")
+    a = p.parse_args(["bench", "kernels", "--models", "smollm2-q4_1", "--builds", "stock"])
+    assert (a.models, a.builds, a.runs, a.prompts) == ("smollm2-q4_1", "stock", 5, 20)
+    a = p.parse_args(["bench", "faults", "--targets", "kill9", "--duration", "10"])
+    assert (a.targets, a.duration, a.kills, a.n_ctx) == ("kill9", 10.0, None, 2048)
+    a = p.parse_args(["bench", "fuzz", "--inputs", "200"])
+    assert (a.inputs, a.targets, a.seed) == (200, None, 0)
+    a = p.parse_args(["bench", "reuse"])
+    assert (a.runs, a.context_tokens, a.sweep, a.max_tokens, a.chunk_size) == \
+        (5, 512, "300,517,777,1000", 16, None)
+
+
+def test_harness_benches_outside_a_checkout_say_so(monkeypatch, capsys):
+    """An installed wheel has no harness/: `bench faults` keeps its name and says why not."""
+    import importlib.util
+
+    from edgekv.bench import checkout
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(checkout, "harness_dir", lambda: None)
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == checkout.HARNESS else real(name, *a))
+    for argv in (["bench", "faults", "--targets", "kill9"], ["bench", "fuzz", "--help"]):
+        assert main(argv) == 2
+        assert "only in a source checkout" in capsys.readouterr().err

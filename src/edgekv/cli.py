@@ -179,120 +179,46 @@ def cmd_cache(args: argparse.Namespace) -> int:
     return 0
 
 
-# benchmarks whose module in bench/ parses its own options from the shared `bench` flags
-PLUGGED_BENCHES = ("faults", "fuzz", "rag", "kernels", "pressure")
+# `edgekv bench <name>`: each module registers its own options, runner and report
+# (`add_parser`, bench/options.py); faults and fuzz are harnesses a source checkout keeps beside
+# the package (harness/edgekv_harness), not shipped in the wheel
+BENCHES = ("reuse", "lookup", "seed", "stream", "engines", "codec", "serve", "rag", "kernels",
+           "pressure")
+HARNESS_BENCHES = ("faults", "fuzz")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench.report import write_bench_report
-
-    res, text = _run_bench(args)
+    res, text = args.bench_run(args)
     print(text)
-    print(write_bench_report(args.name, res, text, args.json))
+    print(args.bench_report(args.bench, res, text, args.json))
     if res.get("failed_rows"):  # e.g. a fault row whose harness crashed: not a pass
-        print(f"edgekv bench {args.name}: {len(res['failed_rows'])} row(s) failed: "
+        print(f"edgekv bench {args.bench}: {len(res['failed_rows'])} row(s) failed: "
               f"{', '.join(map(str, res['failed_rows']))}", file=sys.stderr)
         return 1
     return 0
 
 
-def _llama_server(given: str | None) -> Path | None:
-    """llama.cpp's server binary for the benchmarks: the one given, else the one `make
-    llama-server` builds, if it is there (the peer is skipped, and said so, where it is not)."""
-    if given:
-        return Path(given)
-    built = Path("build/llama-server/bin/llama-server")
-    return built if built.is_file() else None
+def _bench_parsers(b: argparse.ArgumentParser) -> None:
+    """One subcommand per benchmark, each with its own options."""
+    import importlib
 
+    from .bench.checkout import harness_module
 
-def _stock_python(given: str | None) -> Path | None:
-    """The Python of a venv holding llama-cpp-python as a plain `pip install` builds it: the
-    one given, else the one `make stock-llama-cpp-python` builds, if it is there."""
-    if given:
-        return Path(given)
-    built = Path("build/stock-venv/bin/python")
-    return built if built.is_file() else None
+    bsub = b.add_subparsers(dest="bench", required=True, metavar="NAME")
+    for name in BENCHES:
+        importlib.import_module(f".bench.{name}", __package__).add_parser(bsub)
+    for name in HARNESS_BENCHES:
+        try:
+            harness_module(name, f"`edgekv bench {name}`").add_parser(bsub)
+        except EdgeKVError as e:  # an installed wheel: the name stays, and says why it fails
+            def unavailable(args: argparse.Namespace, why: str = str(e)) -> tuple[Any, str]:
+                raise EdgeKVError(why)
 
-
-def _run_bench(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
-    """Run benchmark `args.name`; its result and its table."""
-
-    def progress(i: int, n: int) -> None:
-        print(f"\r  step {i}/{n}", end="" if i < n else "\n", file=sys.stderr, flush=True)
-
-    if args.name in PLUGGED_BENCHES:
-        # each of these modules owns its options: run_cli(args) -> (result, table)
-        import importlib
-
-        mod = importlib.import_module(f".bench.{args.name}", __package__)
-        res, text = mod.run_cli(args)
-        return res, text
-    if args.name == "serve":
-        import tempfile
-
-        from .bench.report import serve_table
-        from .bench.serve import run_serve_bench
-
-        servers = tuple(s for s in args.servers.split(",") if s) if args.servers else None
-        with tempfile.TemporaryDirectory(prefix="edgekv-serve-bench-") as tmp:
-            res = run_serve_bench(model=args.model, requests=args.requests or 40,
-                                  max_tokens=args.max_tokens or 48, n_ctx=args.n_ctx,
-                                  seed=args.seed, servers=servers, workdir=Path(tmp),
-                                  llama_server=_llama_server(args.llama_server),
-                                  stock_python=_stock_python(args.stock_python),
-                                  threads=args.threads)
-        return res, serve_table(res)
-    if args.name == "seed":
-        from .bench.plots import seed_table
-        from .bench.seed import run_seed_bench
-        from .bench.workload import load_workload
-
-        name, reqs = load_workload(args.workload, requests=args.requests, seed=args.seed,
-                                   max_tokens=args.max_tokens)
-        only = tuple(m for m in args.modes.split(",") if m) if args.modes else None
-        res = run_seed_bench(requests=reqs, workload=name, model=args.model, n_ctx=args.n_ctx,
-                             engine=args.engine, only=only,
-                             llama_server=_llama_server(args.llama_server),
-                             n_threads=args.threads)
-        return res, seed_table(res)
-    if args.name == "codec":
-        from .bench.codec import codec_table, run_codec_bench
-
-        res = run_codec_bench(model=args.model)
-        return res, codec_table(res)
-    if args.name == "engines":
-        from .bench.engines import engines_table, run_engines_bench
-
-        res = run_engines_bench(model=args.model, engines=tuple(args.engines.split(",")),
-                                n_threads=args.threads, progress=progress)
-        return res, engines_table(res)
-    if args.name == "stream":
-        from .bench.stream import run_stream_bench, stream_table
-
-        def floats(v: str) -> tuple[float, ...]:
-            return tuple(float(x) for x in v.split(","))
-
-        res = run_stream_bench(model=args.model, bandwidths=floats(args.bandwidths),
-                               rtts=floats(args.rtts),
-                               contexts=tuple(int(x) for x in args.contexts.split(",")),
-                               stream_deadline_s=args.stream_deadline,
-                               repeats=max(args.runs, 5), n_threads=args.threads,
-                               progress=progress)
-        return res, stream_table(res)
-    if args.name == "lookup":
-        from .bench.lookup import lookup_table, run_lookup_bench
-
-        res = run_lookup_bench(model=args.model, entries=args.entries, runs=max(args.runs, 5),
-                               n_ctx=args.n_ctx, progress=progress)
-        return res, lookup_table(res)
-    from .bench.reuse import reuse_table, run_reuse_bench
-
-    res = run_reuse_bench(model=args.model, runs=args.runs, context_tokens=args.context_tokens,
-                          max_tokens=args.max_tokens or 16, chunk_size=args.chunk_size or 128,
-                          n_ctx=args.n_ctx, progress=progress, engine=args.engine,
-                          sweep=tuple(int(x) for x in args.sweep.split(",") if x),
-                          n_threads=args.threads)
-    return res, reuse_table(res)
+            # no option prefix: whatever follows (its options, --help) reaches the error
+            h = bsub.add_parser(name, help=f"(only in a source checkout) {e}",
+                                prefix_chars="+", add_help=False)
+            h.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
+            h.set_defaults(bench=name, bench_run=unavailable, json=None)
 
 
 def cmd_kv_server(args: argparse.Namespace) -> int:
@@ -476,57 +402,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_cache)
 
-    b = sub.add_parser("bench", help="benchmarks (write JSON)")
-    b.add_argument("name", choices=["reuse", "lookup", "seed", "stream", "engines", "codec",
-                                    "serve", *PLUGGED_BENCHES])
-    b.add_argument("--servers", help="serve: comma-separated servers (default: all; the cache-"
-                   "off references always run)")
-    b.add_argument("--llama-server", help="serve, seed: llama.cpp's llama-server binary "
-                   "(default: build/llama-server/bin/llama-server, which `make llama-server` "
-                   "builds, where present)")
-    b.add_argument("--stock-python", help="serve: the Python of a venv with llama-cpp-python "
-                   "as a plain `pip install` builds it (default: build/stock-venv/bin/python, "
-                   "which `make stock-llama-cpp-python` builds, where present)")
-    b.add_argument("--engines", default="llamacpp,torch,onnx",
-                   help="engines: which adapters to pair")
-    b.add_argument("--engine", choices=["llamacpp", "torch", "onnx"], default="llamacpp",
-                   help="reuse/seed: the engine under test (LlamaRAMCache only with llamacpp)")
-    b.add_argument("--bandwidths", default="1,5,20,100,500", help="stream: Mbit/s list")
-    b.add_argument("--rtts", default="10,80", help="stream: RTT ms list")
-    b.add_argument("--contexts", default="512,1024", help="stream: context token counts")
-    b.add_argument("--stream-deadline", type=float, default=40.0,
-                   help="stream: all-stream runs predicted longer than this are not run")
-    b.add_argument("--requests", type=int,
-                   help="seed: number of requests (default 1000; of a file: the first N)")
-    b.add_argument("--workload", help="seed: `seed` (default), `chat` (multi-turn, interleaved "
-                   "users) or a JSONL file, one {prompt, cluster?, max_tokens?} a line")
-    b.add_argument("--seed", type=int, default=0, help="seed: workload RNG seed")
-    b.add_argument("--modes", help="seed: comma-separated modes to run (default: all; the "
-                   "plain reference and nocache always run)")
-    b.add_argument("--json", help="write the result here")
-    b.add_argument("--inputs", type=int, help="fuzz: inputs per target (default 100000)")
-    b.add_argument("--targets", help="fuzz/faults: comma-separated targets or faults "
-                   "(default: all)")
-    b.add_argument("--duration", type=float, help="faults: seconds per timed fault (concurrent "
-                   "processes, load)")
-    b.add_argument("--kills", type=int, help="faults: kill -9 loop length (default 50)")
-    b.add_argument("--budgets", help="rag: recompute budgets, comma-separated")
-    b.add_argument("--models", help="kernels: comma-separated models (default: smollm2-q4_1,"
-                   "smollm2-q8_0,smollm2-q4_0,gemma3-q4_k_m)")
-    b.add_argument("--builds", help="kernels: comma-separated builds (default: stock,stock_fa,"
-                   "edgekv_before,edgekv)")
-    b.add_argument("--prompts", type=int, help="kernels: prompts for the first divergence "
-                   "(default 20)")
-    b.add_argument("--runs", type=int, default=5)
-    b.add_argument("--context-tokens", type=int, default=512)
-    b.add_argument("--sweep", default="300,517,777,1000",
-                   help="reuse: more context lengths (not multiples of the chunk), '' for none")
-    b.add_argument("--max-tokens", type=int, help="tokens to generate (default 16; chat: 48)")
-    b.add_argument("--entries", type=int, default=1000, help="lookup: vectors in the index")
-    b.add_argument("--threads", type=int,
-                   help="engines, stream, seed, reuse: engine threads, the same for every mode "
-                   "(default: all cores)")
-    engine_opts(b)
+    b = sub.add_parser("bench", help="benchmarks (write JSON): `edgekv bench NAME --help`",
+                       description="Benchmarks; each writes its result as JSON (--json) and a "
+                       "Markdown page beside it. `edgekv bench NAME --help` lists its options.")
+    _bench_parsers(b)
     b.set_defaults(func=cmd_bench)
 
     k = sub.add_parser("kv-server", help="serve precomputed KV chunks (SparKV server)")

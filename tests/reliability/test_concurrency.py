@@ -8,8 +8,8 @@ import subprocess
 import sys
 import textwrap
 
-from edgekv.bench.faults import check_store, readable_entries
 from edgekv.store import DiskStore
+from edgekv_harness.faults import check_store, readable_entries
 from tests.conftest import real_stack
 
 
@@ -60,7 +60,7 @@ real_stack("llama.cpp + SmolLM2", "llama_cpp",
 
 def test_real_processes_share_one_cache_dir(tmp_path):
     """Two worker loops, `edgekv serve` with a client and `edgekv generate` CLI runs."""
-    from edgekv.bench.faults_local import concurrent
+    from edgekv_harness.faults_local import concurrent
 
     row = concurrent(tmp_path, {"model": None, "duration": 20, "kills": 0, "seed": 0,
                                 "requests": 3, "max_tokens": 4, "n_ctx": 2048})

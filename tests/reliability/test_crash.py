@@ -11,9 +11,9 @@ import subprocess
 import sys
 import textwrap
 
-from edgekv.bench.faults import check_store, readable_entries
 from edgekv.serial import encode_fragment
 from edgekv.store import DiskStore
+from edgekv_harness.faults import check_store, readable_entries
 from tests.conftest import real_stack
 
 
@@ -112,7 +112,7 @@ real_stack("llama.cpp + SmolLM2", "llama_cpp",
 
 
 def test_real_kill_loop(tmp_path):
-    from edgekv.bench.faults_local import kill9
+    from edgekv_harness.faults_local import kill9
 
     row = kill9(tmp_path, {"model": None, "duration": 0, "kills": 3, "seed": 1,
                            "requests": 3, "max_tokens": 4, "n_ctx": 2048})

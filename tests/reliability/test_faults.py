@@ -15,11 +15,11 @@ import stat
 import pytest
 
 from edgekv import CacheConfig, EdgeKV, StoreError, open_store
-from edgekv.bench import faults
-from edgekv.bench.faults import make_row, run_cli
 from edgekv.engines.fake import FakeAdapter
 from edgekv.errors import ConfigError
 from edgekv.store import DiskStore
+from edgekv_harness import faults
+from edgekv_harness.faults import make_row, run_cli
 from tests.conftest import real_stack
 
 
@@ -264,7 +264,7 @@ def test_a_worker_reports_what_its_disk_tier_evicts(tmp_path):
 def test_kill9_row_on_the_fake_engine(tmp_path):
     """The kill -9 harness end to end on real processes (fake engine; requests of 3.5 s, so
     each kill, 0-3 s after a worker's first answer, lands inside its second request)."""
-    from edgekv.bench.faults_local import kill9
+    from edgekv_harness.faults_local import kill9
 
     row = kill9(tmp_path, _fake_opts(kills=2, seed=0, fake_delay_s=3.5))
     assert row["status"] == "measured"
@@ -280,7 +280,7 @@ def test_kill9_row_on_the_fake_engine(tmp_path):
 def test_missing_permissions_counts_unavailable_entries(tmp_path):
     """Mode 000 on the store (a root harness drops the child's CAP_DAC_OVERRIDE): every entry
     of the warm run is unavailable to the next process, none is lost."""
-    from edgekv.bench.faults_local import FAULTS
+    from edgekv_harness.faults_local import FAULTS
 
     row = FAULTS["missing_permissions"](tmp_path, _fake_opts(requests=3))
     assert row["wrong_outputs"] == 0 and row["lost_requests"] == 0, row
@@ -303,7 +303,7 @@ def _clean(row):
 
 @pytest.mark.parametrize("name", ["disk_full", "read_only_cache_dir", "missing_permissions"])
 def test_real_resource_fault(tmp_path, name):
-    from edgekv.bench.faults_local import FAULTS
+    from edgekv_harness.faults_local import FAULTS
 
     row = FAULTS[name](tmp_path, dict(OPTS))
     _clean(row)

@@ -13,9 +13,9 @@ import time
 import pytest
 
 from edgekv import CacheConfig, EdgeKV, StoreError
-from edgekv.bench import faults_redis
 from edgekv.engines.fake import FakeAdapter
 from edgekv.store.redis import RedisStore
+from edgekv_harness import faults_redis
 
 from .. import redis_kit
 from ..conftest import make_fragment

@@ -10,9 +10,9 @@ import time
 import pytest
 
 from edgekv import StoreError
-from edgekv.bench import faults_redis
 from edgekv.store import open_store_url
 from edgekv.store.redis import RedisStore, cluster_nodes, redact
+from edgekv_harness import faults_redis
 
 from .. import redis_kit
 from ..conftest import make_fragment

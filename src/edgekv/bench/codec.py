@@ -7,15 +7,17 @@ with the cold run: KV error, first-step max |logit difference|, greedy agreement
 
 from __future__ import annotations
 
+import argparse
 import time
 from typing import Any
 
 import numpy as np
 
 from .corpus import CLUSTERS
+from .options import Subparsers, bench_parser
 from .report import environment, table
 
-__all__ = ["codec_table", "run_codec_bench"]
+__all__ = ["add_parser", "codec_table", "run_cli", "run_codec_bench"]
 
 
 def run_codec_bench(*, model: str | None = None, prompts: int = 4, context_tokens: int = 512,
@@ -87,3 +89,13 @@ def codec_table(res: dict[str, Any]) -> str:
     return table(["level", "wire B/token", "wire/raw", "KV max err", "max |logit diff|",
                   f"greedy agreement ({res['gen_tokens']} tok)", "encode ms/chunk",
                   "decode ms/chunk"], rows)
+
+
+def run_cli(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    res = run_codec_bench(model=args.model)
+    return res, codec_table(res)
+
+
+def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
+    return bench_parser(sub, "codec", "what each wire level costs in bytes and output quality",
+                        run_cli)

@@ -21,6 +21,7 @@ side in the same run.
 
 from __future__ import annotations
 
+import argparse
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,9 +29,11 @@ from typing import Any
 import numpy as np
 
 from .corpus import CLUSTERS
+from .options import ENGINES, Subparsers, bench_parser, csv, progress
 from .report import environment, table
 
-__all__ = ["engines_table", "first_divergence", "reuse_verdict", "run_engines_bench"]
+__all__ = ["add_parser", "engines_table", "first_divergence", "reuse_verdict", "run_cli",
+           "run_engines_bench"]
 
 CONTEXT_LENGTHS = (150, 290, 410)  # tokens of system prompt, cycled over a cluster's prompts
 PROMPTS = 20  # over the 8 clusters in turn: 2-3 per topic, each at another length
@@ -222,3 +225,17 @@ def engines_table(res: dict[str, Any]) -> str:
     out += ["", table(["engine", "tokens", "prefill ms", "prefill tok/s", "inject ms",
                        "KV dtype"], rows2)]
     return "\n".join(out)
+
+
+def run_cli(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    res = run_engines_bench(model=args.model, engines=csv(args.engines),
+                            n_threads=args.threads, progress=progress)
+    return res, engines_table(res)
+
+
+def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
+    p = bench_parser(sub, "engines", "a fragment made on one engine injected into another, "
+                     "against it cold", run_cli,
+                     threads="engine threads (default: all cores)")
+    p.add_argument("--engines", default=",".join(ENGINES), help="which adapters to pair")
+    return p

@@ -24,6 +24,7 @@ and the divergence are deterministic and run once per row.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -36,8 +37,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import EdgeKVError
+from .options import Subparsers, bench_parser
 
-__all__ = ["BUILDS", "Build", "ensure_quantized", "kernels_table", "run_cli",
+__all__ = ["add_parser", "Build", "BUILDS", "ensure_quantized", "kernels_table", "run_cli",
            "run_kernels_bench"]
 
 BUILDS = ("stock", "stock_fa", "edgekv_before", "edgekv")
@@ -280,3 +282,16 @@ def run_cli(args: Any) -> tuple[dict[str, Any], str]:
                             threads=args.threads, cache_dir=cache_dir, progress=progress)
     print(file=sys.stderr)
     return res, kernels_table(res)
+
+
+def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
+    p = bench_parser(sub, "kernels", "stock llama.cpp beside EdgeKV's builds per model and "
+                     "weight type: speed and batch invariance", run_cli,
+                     model=False, runs=True, threads="engine threads (default: all cores)")
+    p.add_argument("--models", default=",".join(MODELS),
+                   help=f"comma-separated models (default: {','.join(MODELS)})")
+    p.add_argument("--builds", default=",".join(BUILDS),
+                   help=f"comma-separated builds (default: {','.join(BUILDS)})")
+    p.add_argument("--prompts", type=int, default=20,
+                   help="prompts for the first divergence (default 20)")
+    return p

@@ -8,6 +8,7 @@ prefilled cold by the engine, so the overhead is also given as a share of cold T
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import re
 import statistics
@@ -17,9 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from ..texts import MANUAL, QUESTIONS
+from .options import Subparsers, bench_parser, progress
 from .report import environment, table
 
-__all__ = ["lookup_table", "run_lookup_bench"]
+__all__ = ["add_parser", "lookup_table", "run_cli", "run_lookup_bench"]
 
 UNRELATED = (
     "The committee reviewed the quarterly budget and agreed to postpone the new library wing "
@@ -97,3 +99,16 @@ def lookup_table(res: dict[str, Any]) -> str:
              p["best_similarity"]] for p in res["points"]]
     return table(["prompt tokens", "lookup ms (median)", "embed ms", "search ms", "cold TTFT ms",
                   "share", "tier", "best sim"], rows) + f"\nindex: {res['index_entries']} entries"
+
+
+def run_cli(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    res = run_lookup_bench(model=args.model, entries=args.entries, runs=max(args.runs, 5),
+                           n_ctx=args.n_ctx, progress=progress)
+    return res, lookup_table(res)
+
+
+def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
+    p = bench_parser(sub, "lookup", "what the semantic layer costs a request that misses",
+                     run_cli, n_ctx=True, runs=True)
+    p.add_argument("--entries", type=int, default=1000, help="vectors in the index (default 1000)")
+    return p

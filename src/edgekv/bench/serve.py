@@ -28,12 +28,14 @@ size, threads, CPU features) are read from its own log.
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -41,9 +43,19 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from .options import (
+    Subparsers,
+    bench_parser,
+    csv,
+    llama_server_opt,
+    llama_server_path,
+    stock_python_path,
+)
+from .report import table, write_json
 from .workload import ChatHistory, chat_workload, render
 
-__all__ = ["SERVERS", "Server", "free_port", "run_serve_bench", "server_command"]
+__all__ = ["SERVERS", "Server", "add_parser", "free_port", "run_cli", "run_serve_bench",
+           "serve_table", "server_command"]
 
 # name -> (system, cache on?, the cache-off run it is compared with)
 SERVERS: dict[str, tuple[str, bool, str]] = {
@@ -371,3 +383,66 @@ def run_serve_bench(*, model: str | None = None, requests: int = 40, users: int 
                    "own log says it ran with"),
         "servers": out, "environment": environment(),
     }
+
+
+def serve_table(res: dict[str, Any]) -> str:
+    """`edgekv bench serve`: one row per server."""
+    def phase(m: dict[str, Any], key: str) -> str:
+        p = m.get(key)
+        return "-" if not p else (f"{p['ttft_ms_mean']} / {p['ttft_ms_p95']} "
+                                  f"({100 * p['agreement_own_cache_off']:.0f}%)")
+
+    rows = [[n, phase(m, "before_restart"), m.get("edgekv_ttft_ratio_before_restart", "-"),
+             phase(m, "after_restart"), m["ttft_ms_mean"], m["ttft_ms_p95"], m["e2e_ms_mean"],
+             f"{m['cached_tokens']}/{m['prompt_tokens']}",
+             f"{100 * m['agreement_own_cache_off']:.1f}%",
+             f"{100 * m['agreement_vs_plain']:.1f}%", m.get("edgekv_ttft_ratio", "-")]
+            for n, m in res["servers"].items()]
+    text = table(["server", "before restart: TTFT mean / p95 ms (= own cache-off)",
+                  "vs EdgeKV before restart", "after restart: mean / p95 (= own)",
+                  "all: TTFT mean", "p95", "e2e mean ms", "cached/prompt tokens",
+                  "= own cache-off", "= plain", "all: vs EdgeKV"], rows)
+    settings = [[n, *(m.get("resolved", {}).get(k) or "-" for k in
+                      ("flash_attn", "n_slots", "prompt_cache", "threads", "system_info"))]
+                for n, m in res["servers"].items()]
+    return text + "\n\nResolved settings, from each server's own log:\n\n" + table(
+        ["server", "flash attention", "slots", "prompt cache", "threads", "system info"],
+        settings)
+
+
+def write_report(name: str, res: dict[str, Any], text: str, path: str | None) -> str:
+    """The JSON and a Markdown page of the tables (the page has no heading of its own)."""
+    out = write_json(path or f"bench-out/{name}.json", res)
+    md = out.with_suffix(".md")
+    md.write_text(text + "\n")
+    return f"wrote {out} and {md}"
+
+
+def run_cli(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    """`edgekv bench serve`: its options to `run_serve_bench`, the result and its tables."""
+    servers = csv(args.servers) or None
+    with tempfile.TemporaryDirectory(prefix="edgekv-serve-bench-") as tmp:
+        res = run_serve_bench(model=args.model, requests=args.requests or 40,
+                              max_tokens=args.max_tokens or 48, n_ctx=args.n_ctx,
+                              seed=args.seed, servers=servers, workdir=Path(tmp),
+                              llama_server=llama_server_path(args.llama_server),
+                              stock_python=stock_python_path(args.stock_python),
+                              threads=args.threads)
+    return res, serve_table(res)
+
+
+def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
+    p = bench_parser(sub, "serve", "EdgeKV's server against llama-cpp-python's and llama.cpp's "
+                     "servers, over HTTP (the openai client, a multi-turn chat)", run_cli,
+                     write_report, n_ctx=True,
+                     threads="engine threads, the same for every server (default: all cores)")
+    p.add_argument("--servers", help="comma-separated servers (default: all; the cache-off "
+                   "references always run): " + ", ".join(SERVERS))
+    llama_server_opt(p)
+    p.add_argument("--stock-python", help="the Python of a venv with llama-cpp-python as a "
+                   "plain `pip install` builds it (default: build/stock-venv/bin/python, which "
+                   "`make stock-llama-cpp-python` builds, where present)")
+    p.add_argument("--requests", type=int, default=40, help="requests (default 40)")
+    p.add_argument("--max-tokens", type=int, default=48, help="tokens per answer (default 48)")
+    p.add_argument("--seed", type=int, default=0, help="workload RNG seed")
+    return p

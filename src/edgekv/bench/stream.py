@@ -28,6 +28,7 @@ Energy is estimated (CPU time x power + received bytes x radio energy).
 
 from __future__ import annotations
 
+import argparse
 import copy
 import os
 import statistics
@@ -51,9 +52,11 @@ from ..stream.costmodel import RADIO_J_PER_BYTE, RADIO_W_ACTIVE, CostModel
 from ..stream.hybrid import HybridLoader, HybridResult
 from ..stream.netem import Shaper
 from ..texts import MANUAL, SYSTEM_PROMPT
+from .options import Subparsers, bench_parser, csv, progress
 from .report import environment, table
 
-__all__ = ["Link", "run_stream_bench", "spread", "stream_table"]
+__all__ = ["add_parser", "Link", "run_cli", "run_stream_bench", "spread", "stream_table",
+           "write_report"]
 
 SETUP_NOTE = ("server and device run on one host from one build and share its CPU cores (the "
               "server's encode/encrypt competes with the device's prefill); the link is "
@@ -464,3 +467,39 @@ def write_stream_plot(res: dict[str, Any], png: Path) -> Path:
     fig.savefig(png, dpi=110)
     plt.close(fig)
     return png
+
+
+def run_cli(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    res = run_stream_bench(model=args.model, bandwidths=tuple(map(float, csv(args.bandwidths))),
+                           rtts=tuple(map(float, csv(args.rtts))),
+                           contexts=tuple(int(x) for x in csv(args.contexts)),
+                           stream_deadline_s=args.stream_deadline,
+                           repeats=max(args.runs, 5), n_threads=args.threads,
+                           progress=progress)
+    return res, stream_table(res)
+
+
+def write_report(name: str, res: dict[str, Any], text: str, path: str | None) -> str:
+    """The JSON, a Markdown page and the TTFT-vs-bandwidth plot beside it."""
+    from .report import write_json
+
+    out = write_json(path or f"bench-out/{name}.json", res)
+    md = out.with_suffix(".md")
+    png = write_stream_plot(res, out.with_suffix(".png"))
+    md.write_text(
+        f"# edgekv bench stream\n\n{text}\n\n(pred N): not run, predicted by the cost model "
+        f"(above the {res['stream_deadline_s']:.0f} s deadline). Energy: "
+        f"{res['energy_method']} (estimated).\n\n![TTFT vs bandwidth]({png.name})\n")
+    return f"wrote {out}, {md} and {png}"
+
+
+def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
+    p = bench_parser(sub, "stream", "local vs all-stream vs hybrid (SparKV) over a link "
+                     "sweep", run_cli, write_report, runs=True,
+                     threads="engine threads (default: all cores)")
+    p.add_argument("--bandwidths", default="1,5,20,100,500", help="Mbit/s list")
+    p.add_argument("--rtts", default="10,80", help="RTT ms list")
+    p.add_argument("--contexts", default="512,1024", help="context token counts")
+    p.add_argument("--stream-deadline", type=float, default=40.0,
+                   help="all-stream runs predicted longer than this are not run (s)")
+    return p

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from .faults import (
+from .faults_kit import (
     Fault,
     HarnessError,
     Watched,
@@ -175,7 +175,7 @@ def concurrent(work: Path, o: dict[str, Any]) -> dict[str, Any]:
     rcs = [p.wait() for p in procs]
     for t in readers + threads:
         t.join()
-    from ..serve.runner import stop_process
+    from edgekv.serve.runner import stop_process
 
     serve_rc = server.poll()  # None: it was still serving (a crash is a lost request)
     stop_process(server)

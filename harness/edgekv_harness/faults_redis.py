@@ -30,14 +30,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..cache import EdgeKV
-from ..config import CacheConfig
-from ..errors import StoreError
-from ..fragment import KVFragment
-from ..store.base import FragmentStore, Hit
-from ..store.redis import RedisStore
+from edgekv.cache import EdgeKV
+from edgekv.config import CacheConfig
+from edgekv.errors import StoreError
+from edgekv.fragment import KVFragment
+from edgekv.store.base import FragmentStore, Hit
+from edgekv.store.redis import RedisStore
+
 from . import redis_servers as rs
-from .faults import DEFAULTS, cold_outputs, fault_prompts, make_row, new_cache_dir
+from .faults_kit import DEFAULTS, cold_outputs, fault_prompts, make_row, new_cache_dir
 
 __all__ = ["FAULTS", "Engine", "cluster_node_down", "full", "real_engine", "restart"]
 
@@ -100,7 +101,7 @@ class Engine:
 
 
 def real_engine(work: Path, opts: dict[str, Any]) -> Engine:
-    from ..engines import open_adapter
+    from edgekv.engines import open_adapter
 
     o = {**DEFAULTS, **opts}
     prompts = fault_prompts(o["requests"], o["seed"])

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .faults import (
+from .faults_kit import (
     HarnessError,
     Watched,
     child_env,
@@ -209,7 +209,7 @@ def load_fault(work: Path, o: dict[str, Any]) -> dict[str, Any]:
     except httpx.HTTPError:  # a dead server is a finding (server_alive), not a harness crash
         healthy = False
     alive = server.poll() is None
-    from ..serve.runner import stop_process
+    from edgekv.serve.runner import stop_process
 
     stop_process(server)
     server.stdout.close()

@@ -1,60 +1,44 @@
-"""`edgekv bench faults`: the fault matrix, one row per fault, measured on real processes.
+"""The fault matrix's shared half (`faults.py` is the matrix and its worker): prompts, cold
+outputs, cache directories, worker processes and their events, store checks and rows. The
+fault modules (`faults_local`, `faults_load`, `faults_redis`) build their rows with these, and
+`faults` runs them: none of them imports `faults`, so the harness has no import cycle.
 
-Each fault is a function `(workdir, options) -> row` (options: `model`, `duration`, `kills`,
-`seed`, `requests`, `max_tokens`, `n_ctx`, `engine`); a row holds `fault`, `runs`, `requests`,
-`wrong_outputs`, `lost_requests`, `lost_entries`, `recovery_s` (median over the fault's
-recoveries), `recovery_s_max` (the worst), `status` ("measured", or "failed" with `error` and
-every count None: a harness that raised, or whose helper thread or child died, measured
-nothing), and `how` the fault was made; rows add `evicted_entries` (removed by a capacity or
-TTL policy: not lost, shown apart), `unavailable_entries` (there, but not readable while the
-fault lasts) and `killed_in_flight` (requests running in a process killed by SIGKILL) where
-they apply.
-Every output is compared with the same prompt's cold (no-cache) output, computed in the same
-run by the same engine (`cold_outputs`). The processes under test are real `edgekv` processes
-(the CLI, `edgekv serve`, and this module's `worker`, a benchmark-like loop over the public
-API) on real cache directories; faults are made with the kernel where it can be (kill -9, a
-size-limited tmpfs, an unprivileged user), never by mocking the store.
-
-The helpers below (`fault_prompts`, `cold_outputs`, `new_cache_dir`, `start_worker`,
-`read_events`, `edgekv_cmd`, `child_env`, `readable_entries`, `check_store`, `entry_counts`,
-`Watched`, `make_row`) are public so that other fault modules (`faults_redis`) build their
-rows the same way. `engine="fake"` runs the workers and cold outputs on the fake engine (the
-tests' harness checks); the matrix runs on llama.cpp.
+`engine="fake"` runs the workers and cold outputs on the fake engine (the tests' harness
+checks); the matrix runs on llama.cpp.
 """
 
 from __future__ import annotations
 
-import argparse
-import importlib
-import importlib.util
 import json
 import logging
 import os
 import random
 import shutil
-import signal
 import sqlite3
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from ..texts import MANUAL, QUESTIONS, SYSTEM_PROMPT
+from edgekv.texts import MANUAL, QUESTIONS, SYSTEM_PROMPT
 
 __all__ = [
-    "FAULTS", "Fault", "HarnessError", "Watched", "all_faults", "check_store", "child_env",
-    "cold_outputs", "drop_dac_override", "edgekv_cmd", "entry_counts", "failed_row",
-    "fault_prompts", "in_flight", "make_row", "new_cache_dir", "read_events",
-    "readable_entries", "RemovalLog", "run_cli", "run_faults", "start_worker", "faults_table",
-    "summarize",
+    "DEFAULTS", "Fault", "HarnessError", "RemovalLog", "Watched", "acked", "answers",
+    "check_store", "child_env", "cold_outputs", "cold_texts", "count_wrong", "drop_dac_override",
+    "edgekv_cmd", "entry_counts", "failed_row", "fault_prompts", "first_answer_s",
+    "fragment_files", "in_flight", "make_row", "new_cache_dir", "open_engine", "read_events",
+    "readable_entries", "removed", "run_worker", "start_worker", "template_dir", "unseen",
+    "write_prompts",
 ]
 
 log = logging.getLogger(__name__)
+
+# `harness/`, the folder holding this package (children import `edgekv_harness` from it)
+HARNESS_ROOT = Path(__file__).resolve().parent.parent
 
 Fault = Callable[[Path, dict[str, Any]], dict[str, Any]]
 
@@ -121,6 +105,9 @@ def edgekv_cmd(*args: str) -> list[str]:
 def child_env(cache_dir: Path | None = None, **extra: str) -> dict[str, str]:
     """The environment of a child: offline, the cache directory, plus `EDGEKV_*` overrides."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    # the worker is `python -m edgekv_harness.faults`: the harness folder goes on its path
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(HARNESS_ROOT), env.get("PYTHONPATH")) if p)
     if cache_dir is not None:
         env["EDGEKV_CACHE_DIR"] = str(cache_dir)
     env.update(extra)
@@ -164,28 +151,28 @@ _REFS: dict[tuple[Any, ...], Any] = {}
 _COLD: dict[tuple[Any, ...], list[int]] = {}
 
 
-def _open(engine: str, model: str | None, cfg: Any, n_ctx: int, semantic: bool) -> Any:
+def open_engine(engine: str, model: str | None, cfg: Any, n_ctx: int, semantic: bool) -> Any:
     """An EdgeKV on llama.cpp (the matrix) or on the fake engine (the harness's tests) over
     the default RAM + disk store of `cfg`."""
     if engine == "fake":
-        from ..cache import EdgeKV
-        from ..engines.fake import FakeAdapter
-        from ..store import open_store
+        from edgekv.cache import EdgeKV
+        from edgekv.engines.fake import FakeAdapter
+        from edgekv.store import open_store
 
         return EdgeKV(FakeAdapter(n_ctx=max(n_ctx, 4096)), open_store(cfg), cfg)
-    from .. import open_llamacpp
+    from edgekv import open_llamacpp
 
     return open_llamacpp(model, cfg, n_ctx=n_ctx, semantic=semantic)
 
 
 def _reference(model: str | None, n_ctx: int, engine: str = "llamacpp") -> Any:
     """The in-process engine that computes cold outputs (one per engine, model, context)."""
-    from ..config import CacheConfig
+    from edgekv.config import CacheConfig
 
     key = (engine, model, n_ctx)
     if key not in _REFS:
         cfg = CacheConfig.from_env(cache_dir=template_dir())
-        _REFS[key] = _open(engine, model, cfg, n_ctx, semantic=False)
+        _REFS[key] = open_engine(engine, model, cfg, n_ctx, semantic=False)
     return _REFS[key]
 
 
@@ -245,7 +232,7 @@ def start_worker(cache_dir: Path, prompts_file: Path, opts: dict[str, Any], *,
     since the last answer: `evicted` by capacity or TTL, `damaged`), `done`. `opts["engine"]
     = "fake"` runs it on the fake engine, each request taking at least `opts["fake_delay_s"]`."""
     o = {**DEFAULTS, **opts}
-    cmd = [sys.executable, "-m", "edgekv.bench.faults", "worker", "--cache-dir", str(cache_dir),
+    cmd = [sys.executable, "-m", "edgekv_harness.faults", "worker", "--cache-dir", str(cache_dir),
            "--prompts", str(prompts_file), "--order", order, "--count", str(count),
            "--until", str(until), "--seed", str(seed), "--max-tokens", str(o["max_tokens"]),
            "--n-ctx", str(o["n_ctx"]), "--engine", str(o["engine"]),
@@ -286,8 +273,8 @@ def fragment_files(store_dir: Path) -> dict[str, Path]:
 def readable_entries(store_dir: Path, keys: Iterable[str] | None = None) -> set[str]:
     """The keys (of `keys`, default all) whose fragment file exists and decodes with a valid
     checksum, read straight from the files (no store is opened, so nothing is repaired)."""
-    from ..errors import CorruptEntry
-    from ..serial import decode_fragment
+    from edgekv.errors import CorruptEntry
+    from edgekv.serial import decode_fragment
 
     files = fragment_files(store_dir)
     ok = set()
@@ -440,7 +427,6 @@ def first_answer_s(events: Sequence[dict[str, Any]]) -> float | None:
     a = answers(events)
     return float(a[0]["s"]) if a else None
 
-
 # -- the worker (a child process) --------------------------------------------------------------
 
 class RemovalLog:
@@ -472,209 +458,3 @@ class RemovalLog:
         for v in self._gone.values():
             v.clear()
         return out
-
-
-def _worker(argv: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(prog="edgekv.bench.faults worker")
-    p.add_argument("--cache-dir", required=True)
-    p.add_argument("--prompts", required=True)
-    p.add_argument("--order", choices=["seq", "random"], default="seq")
-    p.add_argument("--count", type=int, default=0)
-    p.add_argument("--until", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-tokens", type=int, default=DEFAULTS["max_tokens"])
-    p.add_argument("--n-ctx", type=int, default=DEFAULTS["n_ctx"])
-    p.add_argument("--model")
-    p.add_argument("--engine", choices=["llamacpp", "fake"], default="llamacpp")
-    p.add_argument("--fake-delay", type=float, default=0.0)
-    p.add_argument("--semantic", action="store_true")
-    p.add_argument("--verbose", action="store_true")
-    a = p.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if a.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
-    t0 = time.perf_counter()
-    from ..config import CacheConfig
-
-    prompts = json.loads(Path(a.prompts).read_text())
-    kv = _open(a.engine, a.model, CacheConfig.from_env(cache_dir=Path(a.cache_dir)), a.n_ctx,
-               a.semantic)
-    store_dir = Path(a.cache_dir) / "store"
-    removals = RemovalLog(kv.store.persistent_tier())
-
-    def emit(**ev: Any) -> None:
-        sys.stdout.write(json.dumps(ev) + "\n")
-        sys.stdout.flush()
-
-    def tier_stats() -> list[Any]:
-        tiers = getattr(kv.store, "tier_stats", None)
-        return list(tiers()) if tiers is not None else [kv.store.stats()]
-
-    def errors() -> int:
-        return sum(getattr(s, "errors", 0) for s in tier_stats())
-
-    emit(event="open", s=time.perf_counter() - t0)
-    rng = random.Random(a.seed)
-    i = 0
-    # `until` bounds the loop, but a worker always answers once (a loaded machine may take
-    # longer than the whole window to load the model)
-    while (a.count == 0 or i < a.count) and (a.until == 0 or time.time() < a.until or i == 0):
-        idx = rng.randrange(len(prompts)) if a.order == "random" else i % len(prompts)
-        emit(event="ask", i=i, p=idx)
-        t_ask = time.perf_counter()
-        r = kv.generate(prompts[idx], max_tokens=a.max_tokens)
-        if a.engine == "fake" and a.fake_delay > 0:  # a slow fake request (harness tests)
-            time.sleep(max(0.0, a.fake_delay - (time.perf_counter() - t_ask)))
-        emit(event="answer", i=i, p=idx, tokens=list(r.tokens), cached=r.cached_tokens,
-             s=time.perf_counter() - t0, errors=errors(),
-             files=sorted(fragment_files(store_dir)) if store_dir.is_dir() else [],
-             **removals.drain())
-        i += 1
-    stats = {s.tier: {"hits": s.hits, "misses": s.misses, "evictions": s.evictions,
-                      "errors": getattr(s, "errors", 0), "corrupt": s.corrupt}
-             for s in tier_stats()}
-    kv.close()
-    kv.adapter.close()
-    emit(event="done", n=i, errors=sum(v["errors"] for v in stats.values()), stats=stats,
-         **removals.drain())
-    return 0
-
-
-# -- the matrix ------------------------------------------------------------------------------
-
-def all_faults() -> dict[str, Fault]:
-    """This module's faults, then those of `faults_redis` where that module exists."""
-    from . import faults_local
-
-    out: dict[str, Fault] = dict(faults_local.FAULTS)
-    if importlib.util.find_spec("edgekv.bench.faults_redis") is not None:
-        mod = importlib.import_module("edgekv.bench.faults_redis")
-        out.update(getattr(mod, "FAULTS", {}))
-    return out
-
-
-FAULTS = all_faults  # the registry is built on call: faults_redis may be added later
-
-
-def run_faults(names: Sequence[str] | None, opts: dict[str, Any], work: Path,
-               progress: Callable[[str], None] | None = None,
-               registry: dict[str, Fault] | None = None) -> list[dict[str, Any]]:
-    """Run the named faults (default: all) of `registry` (default: `all_faults()`), each in its
-    own work directory. A fault whose harness raises (or whose row measured no request at all)
-    yields a failed row (`failed_row`: counts None, `error` says why) instead of stopping the
-    matrix or passing for a clean one."""
-    registry = all_faults() if registry is None else registry
-    unknown = [n for n in names or () if n not in registry]
-    if unknown:
-        from ..errors import ConfigError
-
-        raise ConfigError(f"unknown fault(s) {', '.join(unknown)}; choose from "
-                          f"{', '.join(registry)}")
-    rows = []
-    for name in names or list(registry):
-        if progress is not None:
-            progress(name)
-        d = work / name
-        d.mkdir(parents=True, exist_ok=True)
-        t0 = time.perf_counter()
-        try:
-            row = registry[name](d, {**DEFAULTS, **opts})
-        except Exception as e:  # noqa: BLE001 - one broken harness must not hide the others
-            log.exception("fault %s: the harness failed", name)
-            row = failed_row(name, e)
-        else:
-            if row.get("status", "measured") == "measured" and not row.get("requests") \
-                    and not row.get("lost_requests"):
-                row = failed_row(name, "the harness made no request: nothing was measured")
-        row["wall_s"] = round(time.perf_counter() - t0, 1)
-        rows.append(row)
-    return rows
-
-
-def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The run's verdict on its own rows: `failed_rows` (faults not measured, with why)."""
-    failed = [r for r in rows if r.get("status") == "failed"]
-    return {"failed_rows": [r["fault"] for r in failed],
-            "failed_reasons": {r["fault"]: r.get("error", "") for r in failed},
-            "measured_rows": len(rows) - len(failed)}
-
-
-def _cell(row: dict[str, Any], key: str) -> Any:
-    """A count as the table shows it: "not measured" in a failed row, "-" where the row has no
-    such count (the fault cannot cause it), "never" for a recovery that did not happen."""
-    if row.get("status") == "failed":
-        return "not measured"
-    if key == "recovery_s_max" and row.get("not_recovered"):
-        return f"never ({row['not_recovered']})"
-    v = row.get(key)
-    return "-" if v is None else v
-
-
-_COLUMNS = (("runs", "runs"), ("requests", "requests"), ("wrong_outputs", "wrong outputs"),
-            ("lost_requests", "lost requests"), ("lost_entries", "lost entries"),
-            ("evicted_entries", "evicted entries"),
-            ("unavailable_entries", "unavailable entries"),
-            ("killed_in_flight", "killed in flight"), ("recovery_s", "recovery s (median)"),
-            ("recovery_s_max", "recovery s (max)"), ("errors_logged", "errors logged"))
-
-
-def faults_table(res: dict[str, Any]) -> str:
-    from .report import table
-
-    rows = [[r["fault"], "FAILED" if r.get("status") == "failed" else "measured",
-             *(_cell(r, k) for k, _ in _COLUMNS),
-             r.get("error") or r.get("notes", "")] for r in res["rows"]]
-    out = table(["fault", "status", *(h for _, h in _COLUMNS), "notes"], rows)
-    failed = res.get("failed_rows") or summarize(res["rows"])["failed_rows"]
-    if failed:
-        out += (f"\n\n**{len(failed)} of {len(res['rows'])} rows FAILED (not measured: their "
-                f"counts are null, not 0): {', '.join(failed)}.**")
-    opts = res.get("options")
-    if opts:
-        cut = {k: (opts.get(k), DEFAULTS[k]) for k in ("duration", "kills", "requests",
-                                                       "max_tokens") if opts.get(k) != DEFAULTS[k]}
-        out += ("\n\nRun with " + ", ".join(f"{k}={v}" for k, v in opts.items()
-                                            if k in DEFAULTS and v is not None)
-                + (" (reduced from the defaults: " + ", ".join(
-                    f"{k} {d} -> {v}" for k, (v, d) in cut.items()) + ")." if cut else "."))
-    return out
-
-
-def run_cli(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
-    """`edgekv bench faults`: the shared bench flags to options, the matrix, its table."""
-    from .report import environment
-
-    opts = dict(DEFAULTS)
-    for k in ("model", "duration", "kills", "requests", "max_tokens", "n_ctx"):
-        v = getattr(args, k, None)
-        if v is not None:
-            opts[k] = v
-    opts["seed"] = getattr(args, "seed", 0) or 0
-    names = [n for n in (args.targets or "").split(",") if n] or None
-    root = Path(args.cache_dir) if getattr(args, "cache_dir", None) else None
-    work = Path(tempfile.mkdtemp(prefix="edgekv-faults-", dir=root))
-    try:
-        rows = run_faults(names, opts, work, progress=lambda n: print(
-            f"  fault {n} ...", file=sys.stderr, flush=True))
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    verdict = summarize(rows)
-    if verdict["failed_rows"]:
-        print(f"bench faults: {len(verdict['failed_rows'])} row(s) FAILED, not measured: "
-              + "; ".join(f"{k} ({v})" for k, v in verdict["failed_reasons"].items()),
-              file=sys.stderr, flush=True)
-    res = {"rows": rows, **verdict, "options": opts, "environment": environment(),
-           "uid": os.getuid()}
-    return res, faults_table(res)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["worker"]:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        return _worker(argv[1:])
-    print("usage: python -m edgekv.bench.faults worker ...", file=sys.stderr)
-    return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

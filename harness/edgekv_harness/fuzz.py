@@ -63,7 +63,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["DEFAULT_INPUTS", "HANG_S", "TARGETS", "build_corpus", "fuzz_table", "make_target",
-           "replay", "run_cli", "run_fuzz", "run_target_inline"]
+           "replay", "add_parser", "run_cli", "run_fuzz", "run_target_inline"]
 
 DEFAULT_INPUTS = 100_000
 HANG_S = 2.0  # an input running longer than this is a hang
@@ -380,8 +380,8 @@ class FragmentTarget(Target):
     reads (a damaged file must be a logged miss)."""
 
     def setup(self) -> None:
-        from ..errors import CorruptEntry
-        from ..store.disk import DiskStore
+        from edgekv.errors import CorruptEntry
+        from edgekv.store.disk import DiskStore
 
         self.clean = (CorruptEntry,)
         self.clean_doc = "CorruptEntry; DiskStore.get: None (a miss)"
@@ -391,7 +391,7 @@ class FragmentTarget(Target):
         self.store = DiskStore(self._tmp, 1 << 30)
 
     def generate(self, rng: random.Random) -> bytes:
-        from ..serial import _PREFIX
+        from edgekv.serial import _PREFIX
 
         seed = rng.choice(self.seeds)
         r = rng.random()
@@ -415,7 +415,7 @@ class FragmentTarget(Target):
         return body + hashlib.sha256(body).digest()
 
     def run(self, x: bytes) -> bool:
-        from ..serial import decode_fragment
+        from edgekv.serial import decode_fragment
 
         if hashlib.sha256(x).digest()[0] < 16:  # 1 in 16: through the disk store
             key = "f" + hashlib.sha256(x).hexdigest()[:40]
@@ -441,7 +441,7 @@ class StateBlobTarget(Target):
     """llama.cpp sequence-state blobs, parsed with the real model's dimensions."""
 
     def setup(self) -> None:
-        from ..errors import UnsupportedLayout
+        from edgekv.errors import UnsupportedLayout
 
         self.clean = (UnsupportedLayout,)
         self.clean_doc = "UnsupportedLayout"
@@ -492,7 +492,7 @@ class StateBlobTarget(Target):
         return bytes(b)
 
     def run(self, x: bytes) -> bool:
-        from ..engines.llamacpp_state import parse_seq_state
+        from edgekv.engines.llamacpp_state import parse_seq_state
 
         st = parse_seq_state(x, n_layer=self.dims["n_layer"], n_embd_k=self.dims["n_embd_k"],
                              n_embd_v=self.dims["n_embd_v"])
@@ -522,9 +522,9 @@ class WireTarget(Target):
     that request is a crash (a replay or forgery that got through)."""
 
     def setup(self) -> None:
-        from ..errors import ChunkRejected, TransportError
-        from ..stream.codec import SessionCipher
-        from ..stream.protocol import FRAME, MISSING
+        from edgekv.errors import ChunkRejected, TransportError
+        from edgekv.stream.codec import SessionCipher
+        from edgekv.stream.protocol import FRAME, MISSING
 
         self.clean = (ChunkRejected, TransportError)
         self.clean_doc = "ChunkRejected, TransportError (stream ended early)"
@@ -547,7 +547,7 @@ class WireTarget(Target):
         self.weights = [1.0 / (1 + len(c.body) / 65536) for c in self.caps]
 
     def generate(self, rng: random.Random) -> tuple[int, bytes]:
-        from ..stream.protocol import FRAME
+        from edgekv.stream.protocol import FRAME
 
         k = rng.choices(range(len(self.caps)), self.weights)[0]
         cap = self.caps[k]
@@ -577,9 +577,9 @@ class WireTarget(Target):
         return k, b"".join(frames)
 
     def run(self, x: tuple[int, bytes]) -> bool:
-        from ..errors import TransportError
-        from ..stream.codec import decode_chunk
-        from ..stream.protocol import read_frames
+        from edgekv.errors import TransportError
+        from edgekv.stream.codec import decode_chunk
+        from edgekv.stream.protocol import read_frames
 
         k, data = x
         cap = self.caps[k]
@@ -614,7 +614,7 @@ class ChunkTarget(Target):
     def setup(self) -> None:
         import zstandard
 
-        from ..errors import ChunkRejected
+        from edgekv.errors import ChunkRejected
 
         self.clean = (ChunkRejected,)
         self.clean_doc = "ChunkRejected"
@@ -626,7 +626,7 @@ class ChunkTarget(Target):
         self.zc_nosize = zstandard.ZstdCompressor(level=1, write_content_size=False)
 
     def generate(self, rng: random.Random) -> bytes:
-        from ..serial import _PREFIX
+        from edgekv.serial import _PREFIX
 
         k = rng.randrange(len(self.seeds))
         r = rng.random()
@@ -650,7 +650,7 @@ class ChunkTarget(Target):
         return (self.zc if rng.random() < 0.8 else self.zc_nosize).compress(out)
 
     def run(self, x: bytes) -> bool:
-        from ..stream.codec import decode_chunk
+        from edgekv.stream.codec import decode_chunk
 
         frag = decode_chunk(x)
         if frag.keys.shape[:2] != (len(frag.layer_indices), frag.span):
@@ -662,7 +662,7 @@ class WorkloadTarget(Target):
     """JSONL workload files, written to disk and read by `load_jsonl`."""
 
     def setup(self) -> None:
-        from ..errors import ConfigError
+        from edgekv.errors import ConfigError
 
         self.clean = (ConfigError,)
         self.clean_doc = "ConfigError"
@@ -693,7 +693,7 @@ class WorkloadTarget(Target):
         return b"\n".join(lines)
 
     def run(self, x: bytes) -> bool:
-        from ..bench.workload import load_jsonl
+        from edgekv.bench.workload import load_jsonl
 
         self.path.write_bytes(x)
         reqs = load_jsonl(self.path)
@@ -754,11 +754,11 @@ class KVHttpTarget(Target):
     PUBLIC = {("GET", "/v1/info"), ("POST", "/v1/session")}
 
     def setup(self) -> None:
-        from ..cache import EdgeKV
-        from ..config import CacheConfig
-        from ..engines.fake import FakeAdapter
-        from ..store.memory import MemoryStore
-        from ..stream.server import KVServer
+        from edgekv.cache import EdgeKV
+        from edgekv.config import CacheConfig
+        from edgekv.engines.fake import FakeAdapter
+        from edgekv.store.memory import MemoryStore
+        from edgekv.stream.server import KVServer
 
         self.clean_doc = "an answer of 400, 401, 403, 404, 413 or 501 (unknown method)"
         self.seeds = _http_seeds(self.corpus, "kv_http")
@@ -780,8 +780,8 @@ class KVHttpTarget(Target):
                 self._send(self._signed("POST", "/v1/precompute", s["body"]))
 
     def _open(self) -> None:
-        from ..stream.codec import derive_session_keys
-        from ..stream.protocol import open_proof
+        from edgekv.stream.codec import derive_session_keys
+        from edgekv.stream.protocol import open_proof
 
         nonce = os.urandom(16)
         body = json.dumps({"client_nonce": nonce.hex(), "tenant": "", "fingerprint": "",
@@ -794,7 +794,7 @@ class KVHttpTarget(Target):
 
     def _signed(self, method: str, path: str, body: bytes,
                 headers: tuple[tuple[str, str], ...] = ()) -> _HttpInput:
-        from ..stream.protocol import auth_header, request_mac
+        from edgekv.stream.protocol import auth_header, request_mac
 
         self.seq += 1
         h = auth_header(self.sid, self.seq, request_mac(self.mac_key, method, path, self.seq,
@@ -807,7 +807,7 @@ class KVHttpTarget(Target):
         return self.driver.request(x.method, x.path, hdrs, x.body, x.parts)
 
     def generate(self, rng: random.Random) -> _HttpInput:
-        from ..stream.protocol import AUTH_SCHEME
+        from edgekv.stream.protocol import AUTH_SCHEME
 
         s = rng.choice(self.seeds)
         method, path, body = s["method"], s["path"], s["body"]
@@ -882,11 +882,11 @@ class ServeHttpTarget(Target):
     4xx (429 included); a 5xx, an exception or a 200 without the key is a crash."""
 
     def setup(self) -> None:
-        from ..cache import EdgeKV
-        from ..config import CacheConfig
-        from ..engines.fake import FakeAdapter
-        from ..serve import ServeOptions, create_app
-        from ..store.memory import MemoryStore
+        from edgekv.cache import EdgeKV
+        from edgekv.config import CacheConfig
+        from edgekv.engines.fake import FakeAdapter
+        from edgekv.serve import ServeOptions, create_app
+        from edgekv.store.memory import MemoryStore
 
         class ChatFake(FakeAdapter):
             def chat_template(self) -> str:
@@ -985,7 +985,7 @@ def input_rng(seed: int, target: str, i: int) -> random.Random:
 def _signature(e: BaseException) -> str:
     """Type and the innermost edgekv frame: one signature per bug, not per input."""
     frames = traceback.extract_tb(e.__traceback__)
-    ours = [f for f in frames if "edgekv" in f.filename and "bench/fuzz.py" not in f.filename]
+    ours = [f for f in frames if "edgekv" in f.filename and "edgekv_harness" not in f.filename]
     pick = ours or list(frames)
     where = f"{Path(pick[-1].filename).name}:{pick[-1].lineno}" if pick else "?"
     return f"{type(e).__name__} at {where}"
@@ -1341,10 +1341,10 @@ def _record_kv_traffic(out: Path, engine: Any, store: Any, name: str, prompt: Se
     """Real client/server traffic through a recording proxy: precompute, availability, chunk
     streams (several requests and two sessions over the same chunks, every codec, missing
     keys), and the requests a tenant and a wrong secret make."""
-    from ..stream.client import KVClient
-    from ..stream.codec import derive_session_keys
-    from ..stream.protocol import tenant_secret
-    from ..stream.server import KVServer
+    from edgekv.stream.client import KVClient
+    from edgekv.stream.codec import derive_session_keys
+    from edgekv.stream.protocol import tenant_secret
+    from edgekv.stream.server import KVServer
 
     srv = KVServer(store, SECRET, fingerprint=engine.fingerprint, model=name,
                    chunk_size=chunk_size, engine=engine)
@@ -1442,15 +1442,15 @@ def build_corpus(out: Path, *, real: bool = True, model: str | None = None,
     traffic; `adapter`: a LlamaCppAdapter to use (left open) instead of loading one."""
     import numpy as np
 
-    from ..cache import EdgeKV
-    from ..config import CacheConfig
-    from ..engines.fake import FakeAdapter
-    from ..serial import decode_fragment
-    from ..store import open_store
-    from ..store.memory import MemoryStore
-    from ..stream.codec import LEVELS, encode_chunk
-    from ..texts import MANUAL, QUESTIONS, SYSTEM_PROMPT
-    from .workload import chat_workload, seed_workload
+    from edgekv.bench.workload import chat_workload, seed_workload
+    from edgekv.cache import EdgeKV
+    from edgekv.config import CacheConfig
+    from edgekv.engines.fake import FakeAdapter
+    from edgekv.serial import decode_fragment
+    from edgekv.store import open_store
+    from edgekv.store.memory import MemoryStore
+    from edgekv.stream.codec import LEVELS, encode_chunk
+    from edgekv.texts import MANUAL, QUESTIONS, SYSTEM_PROMPT
 
     out.mkdir(parents=True, exist_ok=True)
     for sub in ("fragment", "state_blob", "chunk"):
@@ -1469,7 +1469,8 @@ def build_corpus(out: Path, *, real: bool = True, model: str | None = None,
 
     try:
         # -- the fake engine: small files, every layout -----------------------------------
-        fake_prompt = list(range(1, 1 + 64 * 4 + 5))
+        # token ids inside the fake vocabulary (1..256): the kv-server checks them
+        fake_prompt = [1 + i % 256 for i in range(64 * 4 + 5)]
         for lpf in (0, 3):
             cfg = CacheConfig(chunk_size=64, cache_dir=work / f"fake{lpf}",
                               layers_per_fragment=lpf, reuse_granularity="chunk")
@@ -1489,7 +1490,7 @@ def build_corpus(out: Path, *, real: bool = True, model: str | None = None,
         have_real, own_adapter = adapter is not None, adapter is None
         if real and adapter is None:
             try:
-                from ..engines.llamacpp import LlamaCppAdapter
+                from edgekv.engines.llamacpp import LlamaCppAdapter
 
                 adapter = LlamaCppAdapter(model, n_ctx=1024)
                 have_real = True
@@ -1533,7 +1534,7 @@ def build_corpus(out: Path, *, real: bool = True, model: str | None = None,
                                      "tokens")
         else:
             # no llama.cpp: a blob in llama.cpp's layout, assembled (the parser's own writer)
-            from ..engines.llamacpp_state import assemble_seq_state
+            from edgekv.engines.llamacpp_state import assemble_seq_state
 
             rng = np.random.default_rng(0)
             for n in (3, 17):
@@ -1614,7 +1615,7 @@ def run_fuzz(targets: Sequence[str] | None = None, inputs: int = DEFAULT_INPUTS,
              model: str | None = None, hang_s: float = HANG_S,
              progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Fuzz each target with `inputs` inputs; the result with one row per target."""
-    from .report import environment
+    from edgekv.bench.report import environment
 
     names = list(targets or TARGETS)
     for n in names:
@@ -1640,7 +1641,7 @@ def run_fuzz(targets: Sequence[str] | None = None, inputs: int = DEFAULT_INPUTS,
 
 
 def fuzz_table(res: dict[str, Any]) -> str:
-    from ..markdown import table
+    from edgekv.markdown import table
 
     rows = [[r["target"], r["inputs"], r["crashes"], r["hangs"], r["peak_rss_mb"],
              r["clean_errors"], r["accepted"], r["seconds"], r.get("clean") or "-"]
@@ -1668,3 +1669,15 @@ def run_cli(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
                    progress=lambda m: print(f"  {m}", file=sys.stderr, flush=True))
     return res, fuzz_table(res)
 
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    """`edgekv bench fuzz` (registered by the CLI where a checkout holds this harness)."""
+    from edgekv.bench.options import bench_parser
+
+    p = bench_parser(sub, "fuzz", "mutation fuzzing of every decoder of untrusted bytes and "
+                     "the HTTP bodies: crashes, hangs, memory (checkout only)", run_cli)
+    p.add_argument("--inputs", type=int, help=f"inputs per target (default {DEFAULT_INPUTS})")
+    p.add_argument("--targets", help="comma-separated targets (default: all): "
+                   + ", ".join(TARGETS))
+    p.add_argument("--seed", type=int, default=0, help="RNG seed")
+    return p
