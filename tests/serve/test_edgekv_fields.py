@@ -74,17 +74,18 @@ def _kv(tmp_path: Path, *, passages: bool = False, router: bool = False) -> Edge
 
 
 class Spy:
-    """Wraps `kv.generate`: records each call's keywords."""
+    """Wraps `kv.prepare` (what the server makes of a request on arrival, handed to
+    `generate` as it is): records each call's keywords."""
 
     def __init__(self, kv: EdgeKV) -> None:
         self.calls: list[tuple[Any, dict[str, Any]]] = []
-        inner = kv.generate
+        inner = kv.prepare
 
-        def generate(prompt: Any, **kw: Any) -> Any:
+        def prepare(prompt: Any, **kw: Any) -> Any:
             self.calls.append((prompt, kw))
             return inner(prompt, **kw)
 
-        kv.generate = generate  # type: ignore[method-assign]
+        kv.prepare = prepare  # type: ignore[method-assign]
 
 
 @pytest.fixture

@@ -269,6 +269,7 @@ class _Server:
                          salt=tenant.salt(req.cache_salt), constraint=constraint,
                          top_logprobs=req.top_k(), tools=tools, passages=passages,
                          approximate=bool(req.approximate))
+        gen = await asyncio.to_thread(served.prepared, gen)
         shape = CompletionShape(chat, self.model_id, "fp_" + served.kv.fingerprint[:12])
         job = Job(tenant.queue(req.cache_salt), lambda j: served.run(gen, j, self.metrics),
                   asyncio.get_running_loop(), request_id=shape.id)

@@ -18,13 +18,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..cache import EdgeKV
 from ..chat import ChatTokenizer
 from ..engines.constraint import Chain, Constraint, Grammar, grammar_constraint
 from ..errors import EdgeKVError, EngineError
 from ..keys import KV_SERVER_TENANTS, SERVE_TENANTS
+from ..request import Request
 from .decode import IncrementalText
 from .errors import APIError, bad_request, from_library_error
 from .logprobs import LogprobRecorder, TokenLogprob
@@ -51,6 +52,9 @@ class GenRequest:
     tools: ToolPlan | None = None  # the answer may be tool calls (tools.py)
     passages: tuple[str, ...] | None = None  # RAG documents placed before `tokens`
     approximate: bool = False  # the request allows approximate reuse (server permitting)
+    # what `EdgeKV.prepare` made of it on arrival (`ServedModel.prepared`): the worker hands
+    # it to `generate` as it is, nothing is tokenized, validated or keyed twice
+    request: Request | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +192,23 @@ class ServedModel:
             raise APIError(400, str(e), code="unsupported_parameter" if isinstance(
                 e, EngineError) else "invalid_schema", param=param) from None
 
+    def prepared(self, req: GenRequest) -> GenRequest:
+        """`req` with the library's `Request` (`EdgeKV.prepare`: chain keys in the tenant's
+        chain, passages laid out), built on arrival beside the worker; a refusal is a 400."""
+        salt, namespace = req.salt, SERVE_TENANTS
+        if not salt and self.kv_tenant:  # the device's own requests: its KV-server chain
+            salt, namespace = self.kv_tenant, KV_SERVER_TENANTS
+        try:
+            with self._tokenizing:
+                request = self.kv.prepare(
+                    list(req.tokens), max_tokens=req.max_tokens, temperature=req.temperature,
+                    top_p=req.top_p, seed=req.seed, salt=salt, namespace=namespace,
+                    use_cache=self.use_cache, approximate=req.approximate,
+                    passages=None if req.passages is None else list(req.passages))
+        except EdgeKVError as e:
+            raise from_library_error(e) from None
+        return replace(req, request=request)
+
     def run(self, req: GenRequest, job: Job, metrics: ServeMetrics) -> None:
         """The job's work, on the worker thread."""
         if job.cancelled.is_set():
@@ -216,17 +237,13 @@ class ServedModel:
             emit(text.push(token))
             return not text.stopped
 
-        salt, namespace = req.salt, SERVE_TENANTS
-        if not salt and self.kv_tenant:  # the device's own requests: its KV-server chain
-            salt, namespace = self.kv_tenant, KV_SERVER_TENANTS
+        prepared = req.request or self.prepared(req).request
+        assert prepared is not None
         t0 = time.perf_counter()
         try:
-            r = self.kv.generate(list(req.tokens), max_tokens=req.max_tokens,
-                                 temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                                 on_token=on_token, salt=salt, namespace=namespace,
-                                 use_cache=self.use_cache, constraint=constraint,
-                                 approximate=req.approximate,
-                                 passages=None if req.passages is None else list(req.passages))
+            r = self.kv.generate(replace(prepared, sampling=replace(prepared.sampling,
+                                                                     constraint=constraint)),
+                                 on_token=on_token)
         except EdgeKVError as e:  # its message goes to the client, not to the log
             log.warning("request %s refused by generate: %s", job.request_id, type(e).__name__)
             log.debug("request %s refused by generate", job.request_id, exc_info=e)
