@@ -12,14 +12,20 @@ import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 __all__ = ["ENGINES", "Report", "Run", "Subparsers", "bench_parser", "csv", "llama_server_opt",
            "llama_server_path", "progress", "stock_python_path"]
 
 ENGINES = ("llamacpp", "torch", "onnx")
 
-Subparsers = argparse._SubParsersAction  # what `ArgumentParser.add_subparsers` returns
+
+class Subparsers(Protocol):
+    """What `ArgumentParser.add_subparsers` returns, as far as a bench uses it."""
+
+    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser: ...
+
+
 Run = Callable[[argparse.Namespace], tuple[dict[str, Any], str]]
 # (bench name, result, table, --json path or None) -> a line saying what was written
 Report = Callable[[str, dict[str, Any], str, "str | None"], str]

@@ -1,0 +1,82 @@
+"""The shape of the code (scripts/shape.py): no import cycles among the package's modules, nor
+among the harness's, counting every import (function-local and TYPE_CHECKING ones too). The
+cycle finder is checked on a small synthetic package first, so that this test can fail."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("edgekv_shape", ROOT / "scripts" / "shape.py")
+assert _spec is not None and _spec.loader is not None
+shape = importlib.util.module_from_spec(_spec)
+sys.modules["edgekv_shape"] = shape
+_spec.loader.exec_module(shape)
+
+def _write(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        p = root / name
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+
+
+def test_the_cycle_finder_sees_every_kind_of_import(tmp_path):
+    _write(tmp_path, {
+        "pkg/__init__.py": "from .a import x\n",
+        "pkg/a.py": "x = 1\n",
+        # a cycle through a function-local import
+        "pkg/b.py": "def f():\n    from . import c\n",
+        "pkg/c.py": "from .b import f\n",
+        # a cycle through TYPE_CHECKING, a parent-relative import and a plain absolute one
+        "pkg/sub/__init__.py": "",
+        "pkg/sub/d.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                        "    from ..e import y\n",
+        "pkg/e.py": "import pkg.sub.d\ny = 2\n",
+        # the package's __init__ is a module: a cycle through it
+        "pkg/g.py": "from . import x\n",
+        "pkg/h.py": "import os\nfrom .a import x\n",  # no cycle: a -> nothing
+    })
+    _write(tmp_path, {"pkg/a.py": "x = 1\nfrom .g import *\n"})
+    found = {frozenset(c["modules"]) for c in shape.import_cycles(tmp_path, "pkg")}
+    assert found == {frozenset({"pkg.b", "pkg.c"}), frozenset({"pkg.sub.d", "pkg.e"}),
+                     frozenset({"pkg", "pkg.a", "pkg.g"})}
+    for c in shape.import_cycles(tmp_path, "pkg"):
+        cyc = c["cycle"]
+        assert cyc[0] == cyc[-1] and set(cyc) == set(c["modules"])
+
+
+def test_an_acyclic_package_has_no_cycles(tmp_path):
+    _write(tmp_path, {"pkg/__init__.py": "", "pkg/a.py": "from . import b\n",
+                      "pkg/b.py": "import json\n"})
+    assert shape.import_cycles(tmp_path, "pkg") == []
+
+
+def test_no_import_cycles_in_the_package():
+    cycles = [c["cycle"] for c in shape.import_cycles(ROOT / "src", "edgekv")]
+    assert cycles == [], "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_no_import_cycles_in_the_harness():
+    assert shape.import_cycles(ROOT / "harness", "edgekv_harness") == []
+
+
+def test_the_wheel_holds_no_harness():
+    bench = ROOT / "src" / "edgekv" / "bench"
+    for name in ("faults", "faults_kit", "faults_local", "faults_load", "faults_redis", "fuzz",
+                 "redis_servers"):
+        assert not (bench / f"{name}.py").exists(), name
+        assert (ROOT / "harness" / "edgekv_harness" / f"{name}.py").is_file(), name
+
+
+def test_shape_json(tmp_path):
+    out = tmp_path / "shape.json"
+    assert shape.main(["--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert set(res) >= {"import_cycles", "wheel_lines", "harness_lines", "generate_lines",
+                        "getattr_capability_probes", "private_cross_module"}
+    for k in ("import_cycles", "getattr_capability_probes", "private_cross_module"):
+        assert res[k]["count"] == len(res[k]["list"])
+    assert res["wheel_lines"] > 0 and res["harness_lines"] > 0 and res["generate_lines"] > 0
