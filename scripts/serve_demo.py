@@ -27,16 +27,26 @@ from edgekv.texts import MANUAL, QUESTIONS, SYSTEM_PROMPT  # noqa: E402
 
 
 def start(cache_dir: Path, model: str | None) -> tuple[subprocess.Popen[str], str]:
-    cmd = [sys.executable, "-m", "edgekv", "serve", "--port", "0", "--cache-dir", str(cache_dir)]
-    cmd += ["--model", model] if model else []
+    return launch(["serve", "--port", "0", "--cache-dir", str(cache_dir),
+                   *(["--model", model] if model else [])])
+
+
+def launch(args: list[str], env: dict[str, str] | None = None, log: Path | None = None
+           ) -> tuple[subprocess.Popen[str], str]:
+    """`edgekv ARGS` (a server that prints "listening on URL" first) from this checkout; its
+    process and URL. `log`: its stderr goes there."""
     extra = [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []
     path = [str(ROOT / "src"), *extra]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(path)}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(path),
+           **(env or {})}
+    err = open(log, "w") if log is not None else None  # noqa: SIM115 - the child holds it
+    proc = subprocess.Popen([sys.executable, "-m", "edgekv", *args], stdout=subprocess.PIPE,
+                            stderr=err, text=True, env=env)
     line = proc.stdout.readline()  # type: ignore[union-attr]
     if "listening on" not in line:
         proc.kill()
-        raise SystemExit(f"the server did not start (exit code {proc.wait()}); see above")
+        tail = log.read_text()[-2000:] if log is not None else "see above"
+        raise SystemExit(f"edgekv {args[0]} did not start (exit code {proc.wait()}): {tail}")
     return proc, line.split("listening on ")[1].split()[0]
 
 

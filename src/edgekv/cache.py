@@ -165,16 +165,17 @@ class EdgeKV:
         o: dict[str, Any] = dict(options)
         sampling = Sampling(**{k: o[k] for k in Sampling.__dataclass_fields__ if k in o})
         use_cache = o.get("use_cache", True)
+        root = tenant_root(self.fingerprint, o.get("salt", ""),
+                           o.get("namespace", KV_SERVER_TENANTS))
         if o.get("passages") is not None:
-            layout = self._passage_reuse().layout(prompt, o["passages"], sampling.max_tokens)
+            layout = self._passage_reuse().layout(prompt, o["passages"], sampling.max_tokens,
+                                                  root)
             tokens = layout.tokens
         else:
             layout, tokens = None, prepare_tokens(self.adapter, prompt, sampling.max_tokens)
         text = prompt if isinstance(prompt, str) else None
         if text is None and self.router is not None and use_cache:
             text = self.adapter.detokenize(tokens)
-        root = tenant_root(self.fingerprint, o.get("salt", ""),
-                           o.get("namespace", KV_SERVER_TENANTS))
         approximate = o.get("approximate")
         return Request(tuple(tokens), root, tuple(self._keys(tokens, root)), sampling, text,
                        use_cache, o.get("store", True),

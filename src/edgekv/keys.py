@@ -141,10 +141,12 @@ def tenant_root(fingerprint: str, salt: str, namespace: str) -> str:
 
 
 def passage_key(fingerprint: str, token_ids: Sequence[int],
-                anchor: Sequence[int] = ()) -> str:
+                anchor: Sequence[int] = (), root: str = "") -> str:
     """Key of a passage's own KV (passage reuse): model, the tokens it was computed after
-    (`anchor`, e.g. BOS) and its tokens, in a namespace of its own (never a chain key)."""
-    h = hashlib.sha256(b"edgekv-passage\0" + fingerprint.encode() + b"\0")
+    (`anchor`, e.g. BOS) and its tokens, in a namespace of its own (never a chain key); `root`
+    (`tenant_root`), so that one tenant's passages are never placed for another's."""
+    h = hashlib.sha256(b"edgekv-passage\0" + fingerprint.encode() + b"\0"
+                       + (root.encode() + b"\0" if root else b""))
     h.update(token_bytes(anchor) + b"\0" + token_bytes(token_ids))
     return "p" + h.hexdigest()[1:]
 

@@ -209,14 +209,17 @@ class PassageReuse:
     # -- public API ----------------------------------------------------------------------
 
     def layout(self, question: str | Sequence[int], passages: Sequence[str],
-               max_tokens: int) -> PassageLayout:
+               max_tokens: int, root: str = "") -> PassageLayout:
+        """The request's tokens with `passages` before `question`; `root`: the tenant's chain
+        root (`keys.tenant_root`), whose passages alone are reused."""
         a, fp = self.adapter, self.adapter.fingerprint.digest
         tokens = list(self.anchor)
         spans = []
         for text in passages:
             ids = tuple(a.tokenize(text, add_bos=False, special=False))  # text only
             if ids:
-                spans.append(PassageSpan(len(tokens), ids, passage_key(fp, ids, self.anchor)))
+                spans.append(PassageSpan(len(tokens), ids,
+                                         passage_key(fp, ids, self.anchor, root)))
                 tokens.extend(ids)
         asked = (a.tokenize(question, add_bos=False) if isinstance(question, str)
                  else [int(t) for t in question])

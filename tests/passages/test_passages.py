@@ -220,3 +220,14 @@ def test_refused_without_a_shift_or_when_off(tmp_path: Path) -> None:
         kv.generate("Q?", passages=[P1])
     with pytest.raises(ConfigError, match="policy"):
         _cache(tmp_path, passage_policy="lru")
+
+
+def test_a_tenant_never_gets_another_tenants_passages(tmp_path: Path) -> None:
+    """Passages are keyed in the tenant's chain root: one tenant's cached passage is never
+    placed for another (no reuse, so no timing channel between them), as with prefixes."""
+    kv = _cache(tmp_path)
+    kv.generate("Q?", passages=[P1, P2], max_tokens=1, salt="tenant-a")
+    other = kv.generate("Q?", passages=[P2, P1], max_tokens=1, salt="tenant-b")
+    assert other.passages is not None and other.passages.reused_tokens == 0
+    same = kv.generate("Q?", passages=[P2, P1], max_tokens=1, salt="tenant-a")
+    assert same.passages is not None and same.passages.reused_tokens > 0

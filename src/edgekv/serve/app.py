@@ -34,6 +34,7 @@ from ..errors import ConfigError
 from ..prefetch import Prefetcher
 from ..store.base import StoreStats
 from ..store.tiered import TieredStore
+from ..stream.hybrid import HybridLoader
 from .errors import (
     CLIENT_GONE,
     APIError,
@@ -121,7 +122,8 @@ class _Server:
         self.metrics = ServeMetrics(waiting=lambda: self.scheduler.waiting,
                                     running=lambda: self.scheduler.running,
                                     store_stats=self._store_stats,
-                                    prefetch_stats=self._prefetch_stats)
+                                    prefetch_stats=self._prefetch_stats,
+                                    kv_server_stats=self._kv_server_stats)
         self.created = int(time.time())
         if isinstance(kv, EdgeKV):
             self._serve(kv)
@@ -153,6 +155,10 @@ class _Server:
     def _prefetch_stats(self) -> dict[str, float] | None:
         p = None if self.served is None else self.served.kv.prefetcher
         return p.stats() if isinstance(p, Prefetcher) else None
+
+    def _kv_server_stats(self) -> dict[str, float] | None:
+        fill = None if self.served is None else self.served.kv.fill
+        return fill.stats() if isinstance(fill, HybridLoader) else None
 
     # -- handlers --------------------------------------------------------------------------
 

@@ -12,7 +12,8 @@ whose KV a fill step streamed in), `edgekv_computed_tokens_total` (prompt tokens
 here), `edgekv_passage_reused_tokens_total` (document tokens placed from the passage cache),
 `edgekv_approximate_requests_total` (answers labelled approximate), and with a prefetcher
 `edgekv_prefetch_requests_total`, `edgekv_prefetch_predicted_total`, `edgekv_prefetch_hits_total`,
-`edgekv_prefetch_warmed_fragments_total` and `edgekv_prefetch_hit_rate` (hits / predicted).
+`edgekv_prefetch_warmed_fragments_total` and `edgekv_prefetch_hit_rate` (hits / predicted); with
+--kv-server `edgekv_kv_server_up`, `edgekv_kv_published_total`, `edgekv_kv_publish_failures_total`.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ class ServeMetrics:
 
     def __init__(self, *, waiting: Callable[[], int], running: Callable[[], int],
                  store_stats: Callable[[], Sequence[StoreStats]],
-                 prefetch_stats: Callable[[], Mapping[str, float] | None] = lambda: None
+                 prefetch_stats: Callable[[], Mapping[str, float] | None] = lambda: None,
+                 kv_server_stats: Callable[[], Mapping[str, float] | None] = lambda: None
                  ) -> None:
         r = self.registry = CollectorRegistry()
         self.prefix_queries = Counter(
@@ -97,6 +99,7 @@ class ServeMetrics:
         self._lock = threading.Lock()
         r.register(_StoreCollector(store_stats, self.refused))
         r.register(_PrefetchCollector(prefetch_stats))
+        r.register(_KVServerCollector(kv_server_stats))
 
     def routing(self) -> None:
         """A semantic router is on: every tier is shown from the start (as 0)."""
@@ -187,6 +190,30 @@ class _PrefetchCollector(Collector):
             yield c
         yield GaugeMetricFamily("edgekv_prefetch_hit_rate", "Prefetch hits / predicted "
                                 "(0 before any prediction)", value=float(s["hit_rate"]))
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+
+class _KVServerCollector(Collector):
+    """SparKV's link (`stream.hybrid.HybridLoader.stats`), read at scrape time; nothing without
+    --kv-server."""
+
+    def __init__(self, stats: Callable[[], Mapping[str, float] | None]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        if s is None:
+            return
+        yield GaugeMetricFamily("edgekv_kv_server_up", "1 while chunks may stream from the KV "
+                                "server (its check passed), else 0: every chunk is computed "
+                                "here", value=float(s["up"]))
+        for name, what in (("published", "Prompts the KV server was asked to precompute"),
+                           ("publish_failures", "Precompute requests that failed")):
+            c = CounterMetricFamily(f"edgekv_kv_{name}", what)
+            c.add_metric([], float(s[name]))
+            yield c
 
     def describe(self) -> Iterator[Metric]:
         return iter(())

@@ -199,6 +199,13 @@ class HybridLoader:
         if self.server_ok:
             raise TransportError(self.server_ok)
 
+    def stats(self) -> dict[str, float]:
+        """For /metrics: whether streaming is on (the server check passed; 0 while it runs or
+        after it failed), and the prompts published to the server (and failed)."""
+        return {"up": float(self._ready.is_set() and self.streaming),
+                "published": float(self.published),
+                "publish_failures": float(self.publish_failures)}
+
     @property
     def streaming(self) -> bool:
         return self.client is not None and self.server_ok is None
