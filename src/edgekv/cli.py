@@ -77,6 +77,10 @@ def _kv_loader(args: argparse.Namespace) -> Any:
             raise ConfigError(f"--kv-link {args.kv_link!r}: Mbit/s > 0 and RTT >= 0")
         link = (mbps, rtt)
     path = Path(args.kv_secret_file or _config(args).cache_dir / "kv-server.secret")
+    if not path.is_file():
+        raise ConfigError(f"no KV secret at {path}: copy the kv-server's --secret-file there "
+                          "(a tenant's secret where it has tenants), or give "
+                          "--kv-secret-file PATH")
     return HybridLoader.connect(args.kv_server, load_secret(path), tenant=args.kv_tenant or "",
                                 link=link)
 

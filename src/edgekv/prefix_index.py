@@ -87,7 +87,7 @@ class Lease:
     __slots__ = ("__weakref__", "_release")
 
     def __init__(self, index: PrefixIndex, nodes: list[Node]) -> None:
-        self._release = weakref.finalize(self, index._unpin, nodes)
+        self._release = weakref.finalize(self, index.unpin, nodes)
 
     def release(self) -> None:
         self._release()
@@ -411,7 +411,8 @@ class PrefixIndex:
                 self._free_subtree(node)
             self._prune(node)
 
-    def _unpin(self, nodes: list[Node]) -> None:
+    def unpin(self, nodes: list[Node]) -> None:
+        """Drop one pin from each of `nodes` (what a `Lease` releases, once)."""
         with self._lock:
             for n in nodes:
                 n.lock_ref -= 1

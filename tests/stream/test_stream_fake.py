@@ -107,12 +107,12 @@ def server(tmp_path):
     store.close()
 
 
-def device(tmp_path, url, **kw):
+def device(tmp_path, url, *, publish=False, **kw):
     cfg = CacheConfig(chunk_size=64, cache_dir=tmp_path / "device")
     kv = EdgeKV(FakeAdapter(), open_store(cfg), cfg)
     return Device(kv, KVClient(url, SECRET, timeout_s=kw.pop("timeout_s", 2.0), **kw),
-                        CostModel(bandwidth_Bps=40e6 / 8, rtt_s=0.002, prefill_a_s=0.002,
-                                  prefill_b_s=0.0))
+                  CostModel(bandwidth_Bps=40e6 / 8, rtt_s=0.002, prefill_a_s=0.002,
+                            prefill_b_s=0.0), publish=publish)
 
 
 def cold(prompt):
@@ -364,3 +364,26 @@ def test_link_slowing_mid_request_switches_overdue_chunks_to_compute(server, tmp
     assert r.executed.startswith("S") and r.streamed_chunks >= 1
     assert h.cost.bandwidth_Bps < 20e6 / 8  # the wait lowered the estimate
     assert np.array_equal(r.first_logits, cold(PROMPT))
+
+
+def test_a_device_publishes_what_it_computed_and_the_next_one_streams_it(server, tmp_path):
+    """Two devices, one kv-server that holds nothing at first: the first computes the prompt
+    and asks the server to precompute it (in the background); the second streams it."""
+    host, port = server.address
+    url = f"http://{host}:{port}"
+    first = device(tmp_path / "one", url, publish=True)
+    r1 = first.generate(PROMPT, max_tokens=2, strategy="stream")
+    assert r1.streamed_chunks == 0 and r1.computed_chunks == 6
+    deadline = time.monotonic() + 30
+    while first.published < 1:
+        assert time.monotonic() < deadline and first.publish_failures == 0
+        time.sleep(0.05)
+    assert first.stats() == {"up": 1.0, "published": 1.0, "publish_failures": 0.0}
+    second = device(tmp_path / "two", url, publish=True)
+    r2 = second.generate(PROMPT, max_tokens=2, strategy="stream")
+    assert r2.streamed_chunks == 6 and np.array_equal(r2.first_logits, cold(PROMPT))
+    time.sleep(0.5)
+    assert second.published == 0  # nothing computed here: nothing to publish
+    # a request keyed in another tenant's chain never streams (nor publishes) the server's
+    other = second.generate(PROMPT, max_tokens=2, strategy="stream", salt="someone-else")
+    assert other.streamed_tokens == 0 and "tenant" in (other.fallback or "")

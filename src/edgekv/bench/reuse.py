@@ -177,7 +177,7 @@ def run_reuse_bench(*, model: str | None = None, runs: int = 5, context_tokens: 
             "max_tokens": max_tokens,
             "chunk_size": chunk_size,
             "reuse_granularity": kv.granularity,
-            "threads": getattr(adapter, "n_threads", None),
+            "threads": adapter.n_threads,
             "cold_ttft_ms": main["cold_ttft_ms"],
             "warm_ttft_ms": main["warm_ttft_ms"],
             "warm_disk_ttft_ms": main["disk_ttft_ms"],

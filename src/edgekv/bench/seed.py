@@ -180,7 +180,7 @@ def run_seed_bench(*, requests: list[Request] | None = None, n_requests: int = 1
     adapter = open_adapter(engine, model, n_ctx=n_ctx,
                            n_threads=n_threads or os.cpu_count() or 1, memo_dir=root)
     # every llama.cpp instance gets the adapter's threads, for decode and prefill alike
-    threads = int(getattr(adapter, "n_threads", None) or os.cpu_count() or 1)
+    threads = adapter.n_threads
     kvs: list[EdgeKV] = []
     modes: dict[str, Any] = {}
     try:

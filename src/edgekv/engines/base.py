@@ -117,6 +117,8 @@ class KVAdapter(Protocol):
     # bytes of weights a forward batch streams (the model file, or the de-quantized tensors):
     # the memory-traffic count in `EngineCounters.traffic_bytes`
     weight_bytes: int
+    # threads the engine computes with (recorded beside every measurement)
+    n_threads: int
 
     @property
     def n_tokens(self) -> int: ...

@@ -50,6 +50,7 @@ class FakeAdapter(SequenceAdapter):
         self.computed_tokens = 0  # tokens run through "prefill" since construction
         self.counters = EngineCounters()
         self.weight_bytes = int(self._w.nbytes)
+        self.n_threads = 1  # numpy's own; the fake engine has no thread setting
 
     @property
     def eos_token(self) -> int:

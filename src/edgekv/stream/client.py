@@ -74,17 +74,18 @@ class KVClient:
         self._host, self._port = u.hostname, u.port or 80
         check_tenant(self.tenant)
 
-    def _conn(self) -> http.client.HTTPConnection:
-        return http.client.HTTPConnection(self._host, self._port, timeout=self.timeout_s)
+    def _conn(self, timeout_s: float | None = None) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection(self._host, self._port,
+                                          timeout=timeout_s or self.timeout_s)
 
     @contextlib.contextmanager
     def _exchange(self, method: str, path: str, body: Any = None,
-                  signed: tuple[str, int, bytes] | None = None
+                  signed: tuple[str, int, bytes] | None = None, timeout_s: float | None = None
                   ) -> Iterator[http.client.HTTPResponse]:
         """One request on a fresh connection (shaped, if a shaper is set), signed with
         `signed` = (session, seq, request key) if given; every socket or HTTP failure inside
         comes out as StreamTimeout or TransportError."""
-        conn = self._conn()
+        conn = self._conn(timeout_s)
         try:
             if self.shaper:
                 self.shaper.on_request()
@@ -100,7 +101,8 @@ class KVClient:
             raise
         except TimeoutError as e:
             raise StreamTimeout(
-                f"KV server {self.url} {path}: no progress in {self.timeout_s}s") from e
+                f"KV server {self.url} {path}: no progress in {timeout_s or self.timeout_s}s"
+            ) from e
         except (OSError, http.client.HTTPException) as e:
             raise TransportError(f"KV server {self.url} {path} failed: {e}") from e
         finally:
@@ -115,10 +117,11 @@ class KVClient:
             self._seq += 1
             return self._session, self._seq, self._mac_key
 
-    def _call(self, method: str, path: str, body: Any = None, *, auth: bool = True) -> Any:
+    def _call(self, method: str, path: str, body: Any = None, *, auth: bool = True,
+              timeout_s: float | None = None) -> Any:
         for attempt in (0, 1):
-            with self._exchange(method, path, body,
-                                self._signed() if auth else None) as resp:
+            with self._exchange(method, path, body, self._signed() if auth else None,
+                                timeout_s) as resp:
                 payload = resp.read()
             if resp.status == 403 and auth and attempt == 0 and b"session" in payload:
                 self._session = None  # expired or forgotten: one new session, one retry
@@ -164,8 +167,12 @@ class KVClient:
     def has(self, keys: Sequence[str]) -> list[bool]:
         return [bool(x) for x in self._call("POST", "/v1/has", {"keys": list(keys)})["has"]]
 
-    def precompute(self, tokens: Sequence[int]) -> dict[str, Any]:
-        return dict(self._call("POST", "/v1/precompute", {"tokens": list(tokens)}))
+    def precompute(self, tokens: Sequence[int], timeout_s: float | None = None
+                   ) -> dict[str, Any]:
+        """Ask the server's engine to compute and store `tokens`' chunks (it runs the prompt:
+        give it a `timeout_s` that allows for that; default the client's)."""
+        return dict(self._call("POST", "/v1/precompute", {"tokens": list(tokens)},
+                               timeout_s=timeout_s))
 
     def stream(self, keys: Sequence[str],
                codec: str = "f16") -> Generator[Received, None, None]:

@@ -49,6 +49,7 @@ __all__ = ["HybridLoader", "HybridResult"]
 
 log = logging.getLogger(__name__)
 STRATEGIES = ("hybrid", "local", "stream")
+PUBLISH_TIMEOUT_S = 600.0  # the server runs the whole prompt for a precompute (off the path)
 
 
 @dataclass
@@ -191,7 +192,7 @@ class HybridLoader:
         its first request, e.g. a benchmark). True once it has finished."""
         return self._ready.wait(timeout)
 
-    def _await_setup(self) -> None:
+    def await_setup(self) -> None:
         """On a stream's thread: wait for the server check; raise if streaming is off."""
         assert self.client is not None
         if not self._ready.wait(2 * self.client.timeout_s + 1.0):
@@ -225,16 +226,20 @@ class HybridLoader:
         return replace(filled, report=res)
 
     def _publish(self, req: FillRequest) -> None:
-        """Ask the server to hold this prompt's chunks (once per prompt), on a thread."""
+        """Ask the server to hold this prompt's chunks (once per prompt, unless it holds them
+        already), on a thread."""
         last = req.keys[req.n_chunks - 1] if req.n_chunks else None
         if last is None or last in self._published_keys or self.client is None:
             return
         self._published_keys.add(last)
         client, tokens = self.client, list(req.tokens)
+        keys = list(req.keys[: req.n_chunks])
 
         def run() -> None:
             try:
-                client.precompute(tokens)
+                if all(client.has(keys)):  # it holds them (computed here by the plan's choice)
+                    return
+                client.precompute(tokens, timeout_s=PUBLISH_TIMEOUT_S)
                 self.published += 1
             except TransportError as e:
                 self.publish_failures += 1
@@ -467,7 +472,7 @@ class _CheckedStream(BackgroundStream):
 
     def _run(self, client: KVClient, keys: Sequence[tuple[int, str]], codec: str) -> None:
         try:
-            self._loader._await_setup()
+            self._loader.await_setup()
         except BaseException as e:  # noqa: BLE001 - handed to the reader
             self.q.put(e)
             return

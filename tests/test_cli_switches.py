@@ -1,0 +1,52 @@
+"""`serve` and `generate` switches: a switch that needs another, or cannot go with another, is
+refused with a clear message before anything loads (exit code 2); an unknown one is argparse's
+error. (Each switch working end to end, on the real engine through HTTP:
+tests/serve/test_real_switches.py.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from edgekv.cli import build_parser, main
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["serve", "--kv-tenant", "acme"], "--kv-tenant need --kv-server"),
+    (["serve", "--kv-link", "20,40"], "--kv-link need --kv-server"),
+    (["generate", "hi", "--kv-secret-file", "/x"], "--kv-secret-file need --kv-server"),
+    (["serve", "--kv-server", "http://127.0.0.1:9", "--passage-reuse"], "do not combine"),
+    (["generate", "hi", "--kv-server", "http://127.0.0.1:9", "--passage-reuse"],
+     "do not combine"),
+    (["serve", "--kv-server", "http://127.0.0.1:9", "--no-cache"], "drop --kv-server"),
+    (["serve", "--no-cache", "--semantic", "--prefetch"], "drop --semantic, --prefetch"),
+    (["serve", "--approximate"], "add --semantic"),
+    (["serve", "--kv-server", "http://127.0.0.1:9", "--kv-link", "fast"], "MBPS,RTT_MS"),
+    (["serve", "--kv-server", "http://127.0.0.1:9", "--kv-link", "0,10"], "Mbit/s > 0"),
+    (["serve", "--kv-server", "ftp://127.0.0.1:9"], "must look like http://HOST:PORT"),
+])
+def test_conflicting_or_incomplete_switches_are_refused(tmp_path, capsys, argv, message):
+    (tmp_path / "kv-server.secret").write_text("00" * 32)  # where --kv-secret-file defaults
+    rc = main([*argv, "--cache-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "edgekv: error:" in err and message in err
+
+
+def test_a_missing_kv_secret_is_refused_with_what_to_do(tmp_path, capsys):
+    rc = main(["serve", "--kv-server", "http://127.0.0.1:9", "--kv-secret-file",
+               str(tmp_path / "none"), "--cache-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "copy the kv-server's --secret-file there" in err and "none" in err
+
+
+def test_unknown_switch_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["serve", "--semantik"])
+    assert e.value.code == 2 and "--semantik" in capsys.readouterr().err
+
+
+def test_every_switch_is_documented_in_help():
+    text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()  # type: ignore[union-attr]
+    for switch in ("--kv-server", "--kv-secret-file", "--kv-tenant", "--kv-link", "--semantic",
+                   "--prefetch", "--passage-reuse", "--approximate", "documents",
+                   "X-EdgeKV-Tier", "edgekv_prefetch_hit_rate"):
+        assert switch in text
