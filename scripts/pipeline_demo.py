@@ -39,10 +39,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from serve_demo import launch, wait_healthy  # noqa: E402
+from serve_demo import launch, stop, wait_healthy  # noqa: E402
 
 from edgekv.markdown import table  # noqa: E402
-from edgekv.serve.runner import stop_process  # noqa: E402
 from edgekv.texts import MANUAL, QUESTIONS, SYSTEM_PROMPT  # noqa: E402
 
 FAST, SLOW = "100,10", "2,80"  # Mbit/s, RTT ms (in-process shaping: `--kv-link`)
@@ -155,7 +154,7 @@ def run(work: Path, contexts: int) -> dict[str, Any]:
                 "links": {"fast": FAST, "slow": SLOW}, "max_tokens": MAX_TOKENS}
     finally:
         for proc, _ in procs.values():
-            stop_process(proc)
+            stop(proc)
 
 
 def summary(res: dict[str, Any]) -> dict[str, Any]:

@@ -39,15 +39,24 @@ def launch(args: list[str], env: dict[str, str] | None = None, log: Path | None 
     path = [str(ROOT / "src"), *extra]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(path),
            **(env or {})}
-    err = open(log, "w") if log is not None else None  # noqa: SIM115 - the child holds it
+    err = open(log, "w") if log is not None else None  # noqa: SIM115 - closed below
     proc = subprocess.Popen([sys.executable, "-m", "edgekv", *args], stdout=subprocess.PIPE,
                             stderr=err, text=True, env=env)
+    if err is not None:
+        err.close()  # the child has its own copy
     line = proc.stdout.readline()  # type: ignore[union-attr]
     if "listening on" not in line:
         proc.kill()
         tail = log.read_text()[-2000:] if log is not None else "see above"
         raise SystemExit(f"edgekv {args[0]} did not start (exit code {proc.wait()}): {tail}")
     return proc, line.split("listening on ")[1].split()[0]
+
+
+def stop(proc: subprocess.Popen[str]) -> None:
+    """Stop a server `launch` started (SIGTERM, then SIGKILL) and close its pipe."""
+    stop_process(proc)
+    if proc.stdout is not None:
+        proc.stdout.close()
 
 
 def wait_healthy(proc: subprocess.Popen[str], url: str, timeout: float = 300.0) -> None:

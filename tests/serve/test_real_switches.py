@@ -20,7 +20,6 @@ import httpx
 import pytest
 
 from edgekv.engines.models import default_model_path
-from edgekv.serve.runner import stop_process
 from edgekv.texts import MANUAL, SYSTEM_PROMPT
 
 from ..conftest import real_stack
@@ -32,7 +31,7 @@ import openai  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
-from serve_demo import launch, wait_healthy  # noqa: E402
+from serve_demo import launch, stop, wait_healthy  # noqa: E402
 
 pytestmark = pytest.mark.real
 ENV = {"EDGEKV_REUSE_GRANULARITY": "chunk"}  # no probe at start: whole-chunk reuse
@@ -60,7 +59,7 @@ def servers(tmp_path_factory):
         yield {name: url for name, (_, url) in procs.items()}
     finally:
         for proc, _ in procs.values():
-            stop_process(proc)
+            stop(proc)
 
 
 def client(url: str) -> openai.OpenAI:
