@@ -284,7 +284,7 @@ class StateSeqMode:
             return 0  # an entry already holds this sequence
         for k in [k for k in self.entries if held[: len(k)] == k]:
             del self.entries[k]  # superseded: the new entry extends it
-        ctx = self.llm._ctx.ctx
+        ctx = self.llm.ctx
         size = self._lib.llama_state_seq_get_size(ctx, 0)
         buf = (ctypes.c_uint8 * size)()
         n = self._lib.llama_state_seq_get_data(ctx, buf, size, 0)
@@ -303,14 +303,16 @@ class StateSeqMode:
         if key is not None and cached > resident:
             blob = self.entries[key]
             self.entries.move_to_end(key)
-            ctx = self.llm._ctx.ctx
+            ctx = self.llm.ctx
             self._lib.llama_memory_seq_rm(self._lib.llama_get_memory(ctx), 0, -1, -1)
             arr = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
             if self._lib.llama_state_seq_set_data(ctx, arr, len(blob), 0) != len(blob):
                 raise RuntimeError("llama_state_seq_set_data refused a saved state")
             self.llm.input_ids[: len(key)] = key
             self.llm.n_tokens = len(key)
-            self.llm._requires_eval = True  # the logits are not the loaded sequence's
+            # the logits are not the loaded sequence's: llama-cpp-python has no public way to
+            # say so (its own load_state sets the same flag)
+            self.llm._requires_eval = True
             loaded = len(blob)
         t_load = time.perf_counter()
         reused = min(max(resident, cached), len(tokens) - 1)
