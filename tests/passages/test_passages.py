@@ -3,14 +3,13 @@ labels, no write-back, refusals. The real engine's numbers are in test_real_pass
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from edgekv import CacheConfig, EdgeKV, open_store
-from edgekv.engines.fake import FakeAdapter
+from edgekv.engines.fake import FakeAdapter, ShiftingFakeAdapter
 from edgekv.engines.llamacpp_shift import RopeSpec
 from edgekv.errors import ConfigError, EdgeKVError, UnsupportedLayout
 from edgekv.keys import chunk_keys, passage_key
@@ -19,42 +18,12 @@ from edgekv.passages import (
     PassageLayout,
     PassagePolicy,
     PassageSpan,
-    PlacedRun,
     split_passages,
 )
 from edgekv.store.base import check_key
 
+ShiftingFake = ShiftingFakeAdapter  # the fake engine with a passage engine
 
-class _FakePassages:
-    """A passage engine for the fake model: it has no RoPE, so a shift changes nothing, and
-    cached runs are appended as they are (the fake's KV then differs from a cold run's,
-    as a real placement's does)."""
-
-    def __init__(self, adapter: ShiftingFake) -> None:
-        self.adapter = adapter
-        self.restores = 0
-
-    def shift_keys(self, keys: np.ndarray, delta: int) -> np.ndarray:
-        return keys
-
-    def build(self, runs: Sequence[PlacedRun]) -> int:
-        for r in runs:
-            if r.keys is None:
-                self.adapter.prefill(r.tokens, align=self.adapter.n_ctx)
-            else:
-                assert r.values is not None
-                self.adapter._extend(r.keys, r.values, list(r.tokens))
-                self.restores += 1
-        return self.adapter.n_tokens
-
-    def layer_kv(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        return (np.stack(self.adapter._k)[:, layer].astype(np.float32),
-                np.stack(self.adapter._v)[:, layer].astype(np.float32))
-
-
-class ShiftingFake(FakeAdapter):
-    def passage_engine(self) -> _FakePassages:
-        return _FakePassages(self)
 
 
 P1 = "alpha passage " * 8  # 112 fake tokens (one per byte)

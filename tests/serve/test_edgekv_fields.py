@@ -5,11 +5,9 @@ test_real_pipeline_http.py."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 from ..conftest import real_stack
@@ -20,7 +18,7 @@ import httpx  # noqa: E402
 import openai  # noqa: E402
 
 from edgekv import CacheConfig, EdgeKV, open_router, open_store  # noqa: E402
-from edgekv.passages import PlacedRun  # noqa: E402
+from edgekv.engines.fake import FakePassages  # noqa: E402
 from edgekv.prefetch import Prefetcher  # noqa: E402
 from edgekv.semantic import HashEmbedder  # noqa: E402
 
@@ -34,34 +32,9 @@ DOC_A = "The hub's ring turns orange while it updates its firmware; wait for it.
 DOC_B = {"title": "Pairing", "text": "Hold the light's button for ten seconds to pair it. " * 2}
 
 
-class _FakePassages:
-    """The fake's passage engine (as tests/passages has it): no RoPE, so a shift is the
-    identity, and cached runs are appended as they are."""
-
-    def __init__(self, adapter: ChatFake) -> None:
-        self.adapter, self.restores = adapter, 0
-
-    def shift_keys(self, keys: np.ndarray, delta: int) -> np.ndarray:
-        return keys
-
-    def build(self, runs: Sequence[PlacedRun]) -> int:
-        for r in runs:
-            if r.keys is None:
-                self.adapter.prefill(r.tokens, align=self.adapter.n_ctx)
-            else:
-                assert r.values is not None
-                self.adapter._extend(r.keys, r.values, list(r.tokens))
-                self.restores += 1
-        return self.adapter.n_tokens
-
-    def layer_kv(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        return (np.stack(self.adapter._k)[:, layer].astype(np.float32),
-                np.stack(self.adapter._v)[:, layer].astype(np.float32))
-
-
 class ShiftingChatFake(ChatFake):
-    def passage_engine(self) -> _FakePassages:
-        return _FakePassages(self)
+    def passage_engine(self) -> FakePassages:
+        return FakePassages(self)
 
 
 def _kv(tmp_path: Path, *, passages: bool = False, router: bool = False) -> EdgeKV:

@@ -378,7 +378,7 @@ def test_a_device_publishes_what_it_computed_and_the_next_one_streams_it(server,
     while first.published < 1:
         assert time.monotonic() < deadline and first.publish_failures == 0
         time.sleep(0.05)
-    assert first.stats() == {"up": 1.0, "published": 1.0, "publish_failures": 0.0}
+    assert first.stats() == {"server_up": 1.0, "published": 1.0, "publish_failures": 0.0}
     second = device(tmp_path / "two", url, publish=True)
     r2 = second.generate(PROMPT, max_tokens=2, strategy="stream")
     assert r2.streamed_chunks == 6 and np.array_equal(r2.first_logits, cold(PROMPT))

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..fragment import KVFragment
 from ..keys import ModelFingerprint
-from .base import EngineCounters, FragmentSpec
+from .base import EngineCounters, FragmentSpec, KVRun
 from .shared import (
     SequenceAdapter,
     aligned_batches,
@@ -113,16 +113,22 @@ class FakeAdapter(SequenceAdapter):
         n = injection_length(fragments, self.fingerprint, limit)
         k, v, ids = stack_prefix(fragments, self.fingerprint, n, np.float16)
         self.clear_kv_cache()
-        self._extend(k, v, ids)
+        self.extend(k, v, ids)
         return n
 
     def append_fragments(self, fragments: Sequence[KVFragment]) -> int:
         held = self.n_tokens
         end = append_length(fragments, self.fingerprint, held, self._n_ctx)
-        self._extend(*stack_prefix(fragments, self.fingerprint, end, np.float16, start=held))
+        self.extend(*stack_prefix(fragments, self.fingerprint, end, np.float16, start=held))
         return end
 
-    def _extend(self, k: np.ndarray, v: np.ndarray, ids: list[int]) -> None:
+    def layer_kv(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """The K and V the engine holds for one layer, [token, width], as float32."""
+        return (np.stack(self._k)[:, layer].astype(np.float32),
+                np.stack(self._v)[:, layer].astype(np.float32))
+
+    def extend(self, k: np.ndarray, v: np.ndarray, ids: list[int]) -> None:
+        """Append KV [layer, token, width] for `ids` after what the engine holds."""
         """Hold KV [layer, token, width] for `ids` after what is held. The prefix hash chain
         is continued from the token ids (cheap, no KV involved)."""
         parent = self._hash[-1] if self._hash else b"root"
@@ -135,3 +141,37 @@ class FakeAdapter(SequenceAdapter):
 
     def close(self) -> None:
         self.clear_kv_cache()
+
+
+class FakePassages:
+    """A passage engine (`base.PassageEngine`) for the fake model: it has no RoPE, so a shift
+    changes nothing, and cached runs are appended as they are (the fake's KV then differs
+    from a cold run's, as a real placement's does)."""
+
+    def __init__(self, adapter: FakeAdapter) -> None:
+        self.adapter = adapter
+        self.restores = 0
+
+    def shift_keys(self, keys: np.ndarray, delta: int) -> np.ndarray:
+        return keys
+
+    def build(self, runs: Sequence[KVRun]) -> int:
+        for r in runs:
+            if r.keys is None:
+                self.adapter.prefill(r.tokens, align=self.adapter.n_ctx)
+            else:
+                assert r.values is not None
+                self.adapter.extend(r.keys, r.values, list(r.tokens))
+                self.restores += 1
+        return self.adapter.n_tokens
+
+    def layer_kv(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.adapter.layer_kv(layer)
+
+
+class ShiftingFakeAdapter(FakeAdapter):
+    """The fake engine that can place cached KV elsewhere (`base.ShiftableKV`): passage reuse
+    runs on it."""
+
+    def passage_engine(self) -> FakePassages:
+        return FakePassages(self)

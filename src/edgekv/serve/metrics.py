@@ -98,8 +98,8 @@ class ServeMetrics:
         self._refused = 0  # requests during which an injection was refused
         self._lock = threading.Lock()
         r.register(_StoreCollector(store_stats, self.refused))
-        r.register(_PrefetchCollector(prefetch_stats))
-        r.register(_KVServerCollector(kv_server_stats))
+        r.register(_prefetch_collector(prefetch_stats))
+        r.register(_kv_server_collector(kv_server_stats))
 
     def routing(self) -> None:
         """A semantic router is on: every tier is shown from the start (as 0)."""
@@ -170,53 +170,47 @@ class _StoreCollector(Collector):
         return iter(())  # families are only known at scrape time; nothing to pre-register
 
 
-class _PrefetchCollector(Collector):
-    """The prefetcher's counters (`prefetch.Prefetcher.stats`), read at scrape time; nothing
-    without a prefetcher."""
+class _StatsCollector(Collector):
+    """A part's own counters (`stats()` -> name: value, or None without that part), read at
+    scrape time: `counters` and `gauges` name the families, `name: help`."""
 
-    def __init__(self, stats: Callable[[], Mapping[str, float] | None]) -> None:
-        self._stats = stats
-
-    def collect(self) -> Iterator[Metric]:
-        s = self._stats()
-        if s is None:
-            return
-        for name, what in (("requests", "Requests the prefetcher saw (with a signature)"),
-                           ("predicted", "Requests for which a next context was predicted"),
-                           ("hits", "Predicted requests whose context was among the predicted"),
-                           ("warmed_fragments", "Fragments the prefetcher loaded ahead")):
-            c = CounterMetricFamily(f"edgekv_prefetch_{name}", what)
-            c.add_metric([], float(s[name]))
-            yield c
-        yield GaugeMetricFamily("edgekv_prefetch_hit_rate", "Prefetch hits / predicted "
-                                "(0 before any prediction)", value=float(s["hit_rate"]))
-
-    def describe(self) -> Iterator[Metric]:
-        return iter(())
-
-
-class _KVServerCollector(Collector):
-    """SparKV's link (`stream.hybrid.HybridLoader.stats`), read at scrape time; nothing without
-    --kv-server."""
-
-    def __init__(self, stats: Callable[[], Mapping[str, float] | None]) -> None:
-        self._stats = stats
+    def __init__(self, stats: Callable[[], Mapping[str, float] | None], prefix: str,
+                 counters: Mapping[str, str], gauges: Mapping[str, str]) -> None:
+        self._stats, self._prefix = stats, prefix
+        self._counters, self._gauges = counters, gauges
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
         if s is None:
             return
-        yield GaugeMetricFamily("edgekv_kv_server_up", "1 while chunks may stream from the KV "
-                                "server (its check passed), else 0: every chunk is computed "
-                                "here", value=float(s["up"]))
-        for name, what in (("published", "Prompts the KV server was asked to precompute"),
-                           ("publish_failures", "Precompute requests that failed")):
-            c = CounterMetricFamily(f"edgekv_kv_{name}", what)
+        for name, what in self._counters.items():
+            c = CounterMetricFamily(self._prefix + name, what)
             c.add_metric([], float(s[name]))
             yield c
+        for name, what in self._gauges.items():
+            yield GaugeMetricFamily(self._prefix + name, what, value=float(s[name]))
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
+
+
+def _prefetch_collector(stats: Callable[[], Mapping[str, float] | None]) -> _StatsCollector:
+    """The prefetcher's (`prefetch.Prefetcher.stats`)."""
+    return _StatsCollector(stats, "edgekv_prefetch_", {
+        "requests": "Requests the prefetcher saw (with a signature)",
+        "predicted": "Requests for which a next context was predicted",
+        "hits": "Predicted requests whose context was among the predicted",
+        "warmed_fragments": "Fragments the prefetcher loaded ahead"},
+        {"hit_rate": "Prefetch hits / predicted (0 before any prediction)"})
+
+
+def _kv_server_collector(stats: Callable[[], Mapping[str, float] | None]) -> _StatsCollector:
+    """SparKV's link (`stream.hybrid.HybridLoader.stats`), with --kv-server."""
+    return _StatsCollector(stats, "edgekv_kv_", {
+        "published": "Prompts the KV server was asked to precompute",
+        "publish_failures": "Precompute requests that failed"},
+        {"server_up": "1 while chunks may stream from the KV server (its check passed), "
+         "else 0: every chunk is computed here"})
 
 
 class CountResponses:

@@ -203,7 +203,7 @@ class HybridLoader:
     def stats(self) -> dict[str, float]:
         """For /metrics: whether streaming is on (the server check passed; 0 while it runs or
         after it failed), and the prompts published to the server (and failed)."""
-        return {"up": float(self._ready.is_set() and self.streaming),
+        return {"server_up": float(self._ready.is_set() and self.streaming),
                 "published": float(self.published),
                 "publish_failures": float(self.publish_failures)}
 
