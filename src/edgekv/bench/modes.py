@@ -308,11 +308,15 @@ class StateSeqMode:
             arr = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
             if self._lib.llama_state_seq_set_data(ctx, arr, len(blob), 0) != len(blob):
                 raise RuntimeError("llama_state_seq_set_data refused a saved state")
-            self.llm.input_ids[: len(key)] = key
-            self.llm.n_tokens = len(key)
-            # the logits are not the loaded sequence's: llama-cpp-python has no public way to
-            # say so (its own load_state sets the same flag)
-            self.llm._requires_eval = True
+            held = len(key)
+            if list(key) == list(tokens):
+                # the whole prompt is loaded but its logits are not: drop its last cell so
+                # that generate computes that token again (what llama-cpp-python's own
+                # `_requires_eval` flag makes it do, without reaching into the object)
+                held -= 1
+                self._lib.llama_memory_seq_rm(self._lib.llama_get_memory(ctx), 0, held, -1)
+            self.llm.input_ids[:held] = key[:held]
+            self.llm.n_tokens = held
             loaded = len(blob)
         t_load = time.perf_counter()
         reused = min(max(resident, cached), len(tokens) - 1)
