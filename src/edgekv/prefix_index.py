@@ -29,6 +29,7 @@ process's) is still found by the exact walk and adopted.
 from __future__ import annotations
 
 import heapq
+import itertools
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -112,6 +113,12 @@ class PrefixIndex:
         self._lock = threading.RLock()
         self._cascading = False
         self.evictions = 0  # nodes evicted from a tier by `evict`
+        # per tier, the eviction candidates by (last access, -end, key): pushed whenever a
+        # node's access, pins or what its tier and its children hold changes; a popped entry
+        # that no longer describes its node is skipped (lazy deletion), so `evict` never
+        # scans every node
+        self._heaps: list[list[tuple[float, int, str, int, Node]]] = [[] for _ in self.tiers]
+        self._pushed = itertools.count()  # ties (one node pushed twice) never compare nodes
         self.rebuild()
         # tiers whose contents the index may remove (not a shared, self-evicting Redis)
         self._owned = [not t.self_evicting for t in self.tiers]
@@ -143,6 +150,7 @@ class PrefixIndex:
                 for chain, held in by_chain.items():
                     self._complete(self._nodes[chain], i, dict(held))
             self._fill_starts()
+            self._reheap()
             return sum(1 for n in self._nodes.values() if not n.root)
 
     def insert(self, key: str, parent: str, start: int, tokens: np.ndarray,
@@ -156,6 +164,7 @@ class PrefixIndex:
             for i, tier in enumerate(self.tiers):  # a tier that cannot answer now (a Redis
                 if all(tier.contains(n) for n in node.names):  # down) keeps what it had:
                     self._set(node, i, True)  # removals come by its events
+            self._mark(node)
             if self.policy == "leaf" and node.held:
                 if not self._reachable(node.parent):
                     self._free_subtree(node)
@@ -178,6 +187,7 @@ class PrefixIndex:
             j = self._tier_at.get(tier, len(self.tiers) - 1)
             for i in range(j + 1):
                 self._set(node, i, i == j or all(self.tiers[i].contains(n) for n in node.names))
+            self._mark(node)
 
     def missed(self, key: str) -> None:
         """A chunk the index thought held was not found (another process removed it, a
@@ -187,6 +197,7 @@ class PrefixIndex:
             node = self._nodes.get(key)
             if node is not None and not node.root:
                 node.held = 0
+                self._mark(node.parent)
                 self._prune(node)
 
     def successor(self, root: str, path: Sequence[str], ids: np.ndarray, limit: int,
@@ -229,19 +240,15 @@ class PrefixIndex:
         with self._lock:
             # least recently used first; of a path touched at once, the deepest first (the
             # tail, as vLLM frees a request's blocks), then by key: the same order every run
-            heap = [(n.last_access, -n.end, n.key, n) for n in self._nodes.values()
-                    if self._evictable(n, tier)]
-            heapq.heapify(heap)
+            heap = self._heaps[tier]
             while heap and freed < nbytes and not (done and freed and done()):
-                node = heapq.heappop(heap)[-1]
-                if not self._evictable(node, tier):
-                    continue
-                parent = node.parent
-                self._drop(node, tier)
+                access, neg_end, _, _, node = heapq.heappop(heap)
+                if (self._nodes.get(node.key) is not node or access != node.last_access
+                        or neg_end != -node.end or not self._evictable(node, tier)):
+                    continue  # stale: a newer entry describes it, or it is not a leaf now
+                self._drop(node, tier)  # its parent is pushed, should it be a leaf now
                 freed += node.nbytes
                 self.evictions += 1
-                if parent is not None and self._evictable(parent, tier):
-                    heapq.heappush(heap, (parent.last_access, -parent.end, parent.key, parent))
         return freed
 
     def _make_room(self, tier: int, nbytes: int) -> int:
@@ -286,6 +293,7 @@ class PrefixIndex:
         if node.parent is not up:
             if node.parent is not None:
                 node.parent.children.pop(key, None)
+                self._mark(node.parent)
             node.parent = up
             up.children[key] = node
         node.start, node.tokens, node.root = start, tokens, False
@@ -335,7 +343,32 @@ class PrefixIndex:
                 return
 
     def _set(self, node: Node, tier: int, on: bool) -> None:
-        node.held = node.held | 1 << tier if on else node.held & ~(1 << tier)
+        held = node.held | 1 << tier if on else node.held & ~(1 << tier)
+        if held != node.held:
+            node.held = held
+            self._mark(node)
+            self._mark(node.parent)  # a child's holdings decide whether it is a leaf
+
+    def _mark(self, node: Node | None) -> None:
+        """Push `node` as an eviction candidate of each tier holding it (see `_heaps`)."""
+        if node is None or node.root or not node.held:
+            return
+        entry = (node.last_access, -node.end, node.key, next(self._pushed), node)
+        for i, heap in enumerate(self._heaps):
+            if node.held >> i & 1:
+                heapq.heappush(heap, entry)
+                if len(heap) > 4 * len(self._nodes) + 64:
+                    self._reheap(i)
+
+    def _reheap(self, *tiers: int) -> None:
+        """The candidate heaps from the nodes themselves (after a rebuild, or when stale
+        entries outnumber the nodes)."""
+        for i in tiers or range(len(self.tiers)):
+            bit = 1 << i
+            heap = [(n.last_access, -n.end, n.key, next(self._pushed), n)
+                    for n in self._nodes.values() if not n.root and n.held & bit]
+            heapq.heapify(heap)
+            self._heaps[i] = heap
 
     def _reachable(self, node: Node | None) -> bool:
         while node is not None and not node.root:
@@ -416,4 +449,6 @@ class PrefixIndex:
         with self._lock:
             for n in nodes:
                 n.lock_ref -= 1
+                if not n.lock_ref:
+                    self._mark(n)
                 self._prune(n)

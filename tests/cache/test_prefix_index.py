@@ -202,3 +202,42 @@ def test_eviction_is_a_config_choice():
     assert CacheConfig().eviction == "leaf"
     with pytest.raises(ConfigError, match="leaf"):
         CacheConfig(eviction="fifo")
+
+
+def test_eviction_order_is_the_least_recently_used_leaf_of_all_at_every_step():
+    """`evict` keeps its candidates in a heap updated as the index changes (it never scans
+    every node): after random inserts, hits, pins and releases over a branching tree, each
+    chunk it frees is the one a scan of every node would pick (least recent access, deepest,
+    then by key)."""
+    rng = random.Random(7)
+    store = MemoryStore(1 << 40)
+    index = PrefixIndex(store, FP, whole)
+    keys: list[tuple[str, KVFragment]] = []
+    leases = []
+    for t in range(300):
+        if keys and rng.random() < 0.3:  # a hit on a stored chunk (its access is now)
+            k, f = rng.choice(keys)
+            if store.contains(k):
+                index.saw(k, f.parent_key, f.token_start, f.token_ids, [k], f.nbytes,
+                          "memory", float(t))
+        elif keys and rng.random() < 0.1:
+            leases.append(index.pin([rng.choice(keys)[0]]))
+        elif leases and rng.random() < 0.2:
+            leases.pop(rng.randrange(len(leases))).release()
+        else:  # a new chunk, under a random stored chunk (or a new root)
+            parents = [(k, f) for k, f in keys if store.contains(k)]
+            up = rng.choice(parents) if parents and rng.random() < 0.8 else None
+            k, f = chunk(up[0] if up else "", up[1].token_end if up else 0, t)
+            put(store, index, k, f, float(t))
+            keys.append((k, f))
+        if t % 25 == 24:  # every so often, free two chunks and check each against a scan
+            for _ in range(2):
+                cand = sorted((n.last_access, -n.end, n.key) for n in index._nodes.values()
+                              if index._evictable(n, 0))
+                before = set(store.keys())
+                freed = index.evict(1)
+                gone = before - set(store.keys())
+                assert (freed > 0) == bool(cand)
+                if cand:
+                    assert gone == {cand[0][2]}
+    assert index.orphan_bytes() == 0
