@@ -357,12 +357,22 @@ def test_link_slowing_mid_request_switches_overdue_chunks_to_compute(server, tmp
                      wire_ratio=1.0)
     h = Device(kv, KVClient(f"http://{host}:{port}", SECRET, shaper=shaper), cost)
     assert h.wait_ready(10)
+    seen: list[float] = []  # the link estimate after each transfer observation
+    observe = cost.observe_transfer
+
+    def record(nbytes: int, seconds: float) -> None:
+        observe(nbytes, seconds)
+        seen.append(cost.bandwidth_Bps)
+
+    cost.observe_transfer = record  # type: ignore[method-assign]
     r = h.generate(PROMPT, max_tokens=2, strategy="hybrid", store=False)
     assert r.plan is not None and r.plan.actions[2] == "stream"  # planned at the fast link
     assert shaper.log.changed_at_s is not None
     assert r.switched >= 1 and r.executed[2] == "C"  # overdue: computed instead
     assert r.executed.startswith("S") and r.streamed_chunks >= 1
-    assert h.cost.bandwidth_Bps < 20e6 / 8  # the wait lowered the estimate
+    # the wait lowered the estimate (below what the fast chunks had measured; how far below
+    # 20 Mbit/s depends on how fast loopback delivered those, so that is not asserted)
+    assert seen and h.cost.bandwidth_Bps < max(seen)
     assert np.array_equal(r.first_logits, cold(PROMPT))
 
 
