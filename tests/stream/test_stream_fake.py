@@ -368,7 +368,8 @@ def test_link_slowing_mid_request_switches_overdue_chunks_to_compute(server, tmp
     r = h.generate(PROMPT, max_tokens=2, strategy="hybrid", store=False)
     assert r.plan is not None and r.plan.actions[2] == "stream"  # planned at the fast link
     assert shaper.log.changed_at_s is not None
-    assert r.switched >= 1 and r.executed[2] == "C"  # overdue: computed instead
+    # overdue: computed instead (which chunk first depends on how loaded the machine is)
+    assert r.switched >= 1 and "C" in r.executed[2:]
     assert r.executed.startswith("S") and r.streamed_chunks >= 1
     # the wait lowered the estimate (below what the fast chunks had measured; how far below
     # 20 Mbit/s depends on how fast loopback delivered those, so that is not asserted)
