@@ -274,6 +274,7 @@ class EdgeKV:
     def close(self) -> None:
         if self.prefetcher is not None:
             self.prefetcher.close()
+        self.fill.close()
         self.writeback.save_index()
         self.store.close()
 

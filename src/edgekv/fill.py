@@ -32,6 +32,9 @@ class LocalPrefill:
     def fill(self, request: FillRequest) -> Filled:
         return Filled(request.held)
 
+    def close(self) -> None:
+        pass
+
 
 class PassagePlacement:
     """Passage reuse (opt-in, approximate, `passages`): a request whose prompt was prepared
@@ -53,3 +56,6 @@ class PassagePlacement:
             return Filled(request.held)
         placed = self.reuse.place(req.layout, request.held, req.passage_policy)
         return Filled(request.adapter.n_tokens, exact=False, passages=placed)
+
+    def close(self) -> None:
+        pass

@@ -185,6 +185,9 @@ class FillStep(Protocol):
 
     def fill(self, request: FillRequest) -> Filled: ...
 
+    def close(self) -> None:
+        """The `EdgeKV` closes: finish what the step still does in the background."""
+
 
 @dataclass(frozen=True, slots=True)
 class GenerationResult:

@@ -169,6 +169,9 @@ class FromElsewhere:
     def attach(self, adapter, config):
         pass
 
+    def close(self):
+        pass
+
     def fill(self, req):
         self.requests.append(req)
         c = req.chunk_size

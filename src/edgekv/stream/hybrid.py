@@ -118,6 +118,7 @@ class HybridLoader:
         self.client, self.strategy, self.publish = client, strategy, publish
         self.published = self.publish_failures = 0
         self._published_keys: set[str] = set()
+        self._publishing: list[threading.Thread] = []
         self.cost = cost or CostModel()
         self.codec, self.objective = codec, objective
         self._max_replans = max_replans
@@ -246,7 +247,16 @@ class HybridLoader:
                 self._published_keys.discard(last)
                 log.warning("KV server precompute failed (%s); the next device computes", e)
 
-        threading.Thread(target=run, daemon=True, name="edgekv-kv-publish").start()
+        t = threading.Thread(target=run, daemon=True, name="edgekv-kv-publish")
+        self._publishing = [p for p in self._publishing if p.is_alive()] + [t]
+        t.start()
+
+    def close(self) -> None:
+        """Wait (up to `PUBLISH_TIMEOUT_S` in all) for publishes still running, so that a
+        one-shot `edgekv generate --kv-server` leaves its prompt on the server."""
+        deadline = time.monotonic() + PUBLISH_TIMEOUT_S
+        for t in self._publishing:
+            t.join(max(0.0, deadline - time.monotonic()))
 
     # -- execution -----------------------------------------------------------------------
 
