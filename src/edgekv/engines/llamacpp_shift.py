@@ -31,8 +31,7 @@ from typing import Protocol
 import numpy as np
 
 from ..errors import EngineError, UnsupportedLayout
-from ..keys import ModelFingerprint
-from .base import KVRun
+from .base import KVAdapter, KVRun
 from .llamacpp_state import CellBlock, Cells, SeqState, parse_seq_state
 
 __all__ = ["LlamaBoundary", "LlamaCppPassages", "PlacedRun", "RopeInfo", "RopeSpec",
@@ -56,23 +55,9 @@ class RopeInfo:
     freq_scale: float  # llama_model_rope_freq_scale_train
 
 
-class LlamaBoundary(Protocol):
-    """The part of `LlamaCppAdapter`'s public surface that passage placement uses."""
-
-    fingerprint: ModelFingerprint
-
-    @property
-    def n_tokens(self) -> int: ...
-
-    @property
-    def token_ids(self) -> list[int]: ...
-
-    @property
-    def n_ctx(self) -> int: ...
-
-    def clear_kv_cache(self) -> None: ...
-
-    def prefill(self, tokens: Sequence[int], *, align: int) -> np.ndarray: ...
+class LlamaBoundary(KVAdapter, Protocol):
+    """What passage placement uses of `LlamaCppAdapter`: the adapter protocol and the public
+    llama.cpp surface below (this module never imports `llamacpp`)."""
 
     def rope_info(self) -> RopeInfo: ...
 
