@@ -346,7 +346,7 @@ class LlamaServerMode:
     def __init__(self, name: str, binary: Path, model_path: str, n_ctx: int, threads: int,
                  workdir: Path, min_reuse: int, weight_bytes: int,
                  kv_bytes_per_token: int) -> None:
-        from .serve import Server, free_port, server_command
+        from .servers import Server, free_port, server_command
 
         self.name, self.min_reuse = name, min_reuse
         self.weight_bytes, self.kvpt = weight_bytes, kv_bytes_per_token

@@ -42,7 +42,7 @@ from .modes import (
 )
 from .options import ENGINES, Subparsers, bench_parser, csv, llama_server_opt, llama_server_path
 from .report import environment
-from .serve import resolved_settings
+from .servers import resolved_settings
 from .workload import ChatHistory, Request, load_workload, render, unique_prompts
 
 __all__ = ["add_parser", "MODES", "REFERENCE", "run_cli", "run_seed_bench", "write_report"]

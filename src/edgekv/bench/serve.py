@@ -24,25 +24,26 @@ drift hits all alike. Mid-run every cache-on server is restarted: what it costs 
 and every figure is also given for the requests before the restart (what a steady user sees)
 and after it, apart. Each server's resolved settings (flash attention, slots, prompt-cache
 size, threads, CPU features) are read from its own log.
+
+With `--concurrency 1,2,4,8` the `concurrency` benchmark runs instead: several clients at once
+against llama-server's slots and `edgekv serve --parallel`. The server processes and command
+lines both use are in `servers`.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import re
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from . import concurrency
 from .options import (
     Subparsers,
     bench_parser,
@@ -52,153 +53,13 @@ from .options import (
     stock_python_path,
 )
 from .report import table, write_json
+from .servers import SERVERS, Server, free_port, greedy_extra, resolved_settings, server_command
 from .workload import ChatHistory, chat_workload, render
 
 __all__ = ["SERVERS", "Server", "add_parser", "free_port", "run_cli", "run_serve_bench",
            "serve_table", "server_command"]
 
-# name -> (system, cache on?, the cache-off run it is compared with)
-SERVERS: dict[str, tuple[str, bool, str]] = {
-    "llama_cpp_server_nocache": ("llama_cpp_server", False, "llama_cpp_server_nocache"),
-    "edgekv": ("edgekv", True, "edgekv_nocache"),
-    "edgekv_nocache": ("edgekv", False, "edgekv_nocache"),
-    # EdgeKV on its fastest engine: ONNX Runtime over the same GGUF weights (de-quantized)
-    "edgekv_onnx": ("edgekv", True, "edgekv_onnx_nocache"),
-    "edgekv_onnx_nocache": ("edgekv", False, "edgekv_onnx_nocache"),
-    "llama_cpp_server": ("llama_cpp_server", True, "llama_cpp_server_nocache"),
-    "llama_server": ("llama_server", True, "llama_server_nocache"),
-    "llama_server_reuse": ("llama_server", True, "llama_server_nocache"),
-    "llama_server_nocache": ("llama_server", False, "llama_server_nocache"),
-    "llama_server_fa_off": ("llama_server", True, "llama_server_fa_off_nocache"),
-    "llama_server_fa_off_nocache": ("llama_server", False, "llama_server_fa_off_nocache"),
-    # `python -m llama_cpp.server` on the wheel a plain `pip install llama-cpp-python` builds
-    "llama_cpp_server_stock": ("llama_cpp_server", True, "llama_cpp_server_stock_nocache"),
-    "llama_cpp_server_stock_nocache": ("llama_cpp_server", False,
-                                       "llama_cpp_server_stock_nocache"),
-}
 REFERENCE = "llama_cpp_server_nocache"  # plain llama-cpp-python: what a user gets, no cache
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class Server:
-    """One server process on loopback, restartable with the same command and directory."""
-
-    name: str
-    cmd: list[str]
-    health: str
-    port: int
-    log: Path
-    proc: subprocess.Popen[bytes] | None = None
-    starts: list[float] = field(default_factory=list)  # seconds from spawn to healthy
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, timeout_s: float = 600.0) -> float:
-        t0 = time.perf_counter()
-        out = open(self.log, "ab")  # noqa: SIM115 - kept open for the process's lifetime
-        self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL)
-        while time.perf_counter() - t0 < timeout_s:
-            if self.proc.poll() is not None:
-                raise ConfigError(f"{self.name} exited with {self.proc.returncode} while "
-                                  f"starting; see {self.log}")
-            try:
-                with urllib.request.urlopen(self.base_url + self.health, timeout=2) as r:
-                    if r.status == 200:
-                        took = time.perf_counter() - t0
-                        self.starts.append(took)
-                        return took
-            except OSError:
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise ConfigError(f"{self.name} did not become healthy in {timeout_s:.0f} s; "
-                          f"see {self.log}")
-
-    def stop(self) -> None:
-        from ..serve.runner import stop_process  # edgekv serve's extra is needed here anyway
-
-        if self.proc is not None:
-            stop_process(self.proc, grace_s=30)
-        self.proc = None
-
-
-def server_command(name: str, *, model: str, n_ctx: int, threads: int, root: Path,
-                   llama_server: Path | None, stock_python: Path | None = None
-                   ) -> tuple[list[str], str] | None:
-    """The command line of server `name` (with `{port}`) and its health path; None where the
-    server is not available (llama-server or the stock wheel not built)."""
-    system, cache, _ = SERVERS[name]
-    py = sys.executable
-    if "_stock" in name:
-        if stock_python is None:
-            return None
-        py = str(stock_python)
-    if system == "edgekv":
-        cmd = [py, "-m", "edgekv", "serve", "--model", model, "--n-ctx", str(n_ctx),
-               "--port", "{port}", "--cache-dir", str(root / name), "--threads", str(threads)]
-        if name.startswith("edgekv_onnx"):
-            cmd += ["--engine", "onnx"]
-        return (cmd if cache else cmd + ["--no-cache"]), "/health"
-    if system == "llama_cpp_server":
-        return [py, "-m", "llama_cpp.server", "--model", model, "--n_ctx", str(n_ctx),
-                "--n_threads", str(threads), "--n_threads_batch", str(threads),
-                "--host", "127.0.0.1", "--port", "{port}",
-                "--cache", "true" if cache else "false"], "/v1/models"
-    if llama_server is None:
-        return None
-    # -lv 4: log verbosity only (no setting changes), so that its log states what it resolved
-    cmd = [str(llama_server), "-m", model, "-c", str(n_ctx), "-t", str(threads), "-tb",
-           str(threads), "--host", "127.0.0.1", "--port", "{port}", "--no-webui", "-lv", "4"]
-    if not cache:
-        cmd.append("--no-cache-prompt")
-    if name == "llama_server_reuse":
-        cmd += ["--cache-reuse", "256"]
-    if name.startswith("llama_server_fa_off"):
-        cmd += ["-fa", "off"]
-    return cmd, "/health"
-
-
-# what each server's own log says it resolved to (llama.cpp's log lines, whoever prints them)
-_SETTINGS = {
-    "flash_attn": re.compile(r"Flash Attention (enabled)|Flash Attention not supported, set to "
-                             r"(disabled)|flash_attn\s*=\s*(\w+)"),
-    "n_slots": re.compile(r"n_slots\s*=\s*(\d+)"),
-    "prompt_cache": re.compile(r"prompt cache is (enabled, size limit: [^\n]+|disabled)"),
-    "threads": re.compile(r"n_threads\s*=\s*(\d+ \(n_threads_batch\s*=\s*\d+\))"),
-    "n_ctx": re.compile(r"\bn_ctx\s*=\s*(\d+)"),
-    "system_info": re.compile(r"system_info: ([^\n]+)"),
-    "engine": re.compile(r"engine: (llama\.cpp[^\n]+)"),
-}
-
-
-def resolved_settings(log: str) -> dict[str, str | None]:
-    """The settings a server's log reports: the last value of each (None: not in its log).
-    Flash attention's resolved value ("Flash Attention enabled") wins over the requested one
-    (auto)."""
-    out: dict[str, str | None] = {}
-    for key, pattern in _SETTINGS.items():
-        found = [next(g for g in m.groups() if g is not None) for m in pattern.finditer(log)]
-        if key == "flash_attn":  # "auto" resolved at context creation wins
-            told = [m.group(1) or m.group(2) for m in pattern.finditer(log)
-                    if m.group(1) or m.group(2)]
-            found = told or found
-        out[key] = found[-1].strip() if found else None
-    return out
-
-
-def _extra(system: str) -> dict[str, Any]:
-    """Sampling fields that make each server greedy and penalty-free (llama-cpp-python's server
-    defaults to repeat_penalty 1.1); EdgeKV takes the OpenAI fields only."""
-    return {} if system == "edgekv" else {"repeat_penalty": 1.0, "top_k": 1}
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,7 +81,7 @@ def _ask(client: Any, system: str, prompt: str, max_tokens: int,
     stream = client.completions.create(
         model="default" if system == "edgekv" else "model", prompt=prompt,
         max_tokens=max_tokens, temperature=0.0, stream=True,
-        stream_options={"include_usage": True}, extra_body=_extra(system))
+        stream_options={"include_usage": True}, extra_body=greedy_extra(system))
     for chunk in stream:
         if chunk.choices and chunk.choices[0].text:
             if ttft is None:
@@ -419,11 +280,14 @@ def write_report(name: str, res: dict[str, Any], text: str, path: str | None) ->
 
 
 def run_cli(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
-    """`edgekv bench serve`: its options to `run_serve_bench`, the result and its tables."""
+    """`edgekv bench serve`: its options to `run_serve_bench`, the result and its tables; with
+    `--concurrency`, the concurrency benchmark's instead."""
+    if args.concurrency:
+        return concurrency.run_cli(args)
     servers = csv(args.servers) or None
     with tempfile.TemporaryDirectory(prefix="edgekv-serve-bench-") as tmp:
         res = run_serve_bench(model=args.model, requests=args.requests or 40,
-                              max_tokens=args.max_tokens or 48, n_ctx=args.n_ctx,
+                              max_tokens=args.max_tokens or 48, n_ctx=args.n_ctx or 2048,
                               seed=args.seed, servers=servers, workdir=Path(tmp),
                               llama_server=llama_server_path(args.llama_server),
                               stock_python=stock_python_path(args.stock_python),
@@ -436,13 +300,17 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
                      "servers, over HTTP (the openai client, a multi-turn chat)", run_cli,
                      write_report, n_ctx=True,
                      threads="engine threads, the same for every server (default: all cores)")
+    p.set_defaults(n_ctx=None)  # 2048, or with --concurrency enough for every sequence
     p.add_argument("--servers", help="comma-separated servers (default: all; the cache-off "
-                   "references always run): " + ", ".join(SERVERS))
+                   "references always run): " + ", ".join(SERVERS)
+                   + "; with --concurrency: " + ", ".join(concurrency.SERVERS))
     llama_server_opt(p)
     p.add_argument("--stock-python", help="the Python of a venv with llama-cpp-python as a "
                    "plain `pip install` builds it (default: build/stock-venv/bin/python, which "
                    "`make stock-llama-cpp-python` builds, where present)")
-    p.add_argument("--requests", type=int, default=40, help="requests (default 40)")
+    p.add_argument("--requests", type=int, help="requests (default 40; with --concurrency, "
+                   f"per run: {concurrency.DEFAULT_REQUESTS})")
     p.add_argument("--max-tokens", type=int, default=48, help="tokens per answer (default 48)")
     p.add_argument("--seed", type=int, default=0, help="workload RNG seed")
+    concurrency.add_options(p)
     return p

@@ -1,0 +1,417 @@
+"""`edgekv bench serve --concurrency` without a model: the figures' maths, the options, each
+server's command line, the workloads' prompts, and the clients against a fake streaming server
+on loopback (the openai SDK parsing real SSE)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from edgekv.bench import concurrency, serve
+from edgekv.bench.clients import Reply, agreement, percentile, run_level, summarize
+from edgekv.bench.concurrency import (
+    SERVERS,
+    Setup,
+    _edgekv_env,
+    _share_probes,
+    _wanted,
+    parse_concurrency,
+    ratios,
+    tables,
+)
+from edgekv.bench.concurrent_workload import DOCS_INSTRUCTION, build_prompts, docs_messages
+from edgekv.errors import ConfigError
+
+
+def reply(text: str, ttft: float = 0.1, itl: tuple[float, ...] = (), tokens: int = 4,
+          error: str | None = None) -> Reply:
+    return Reply(text, ttft, itl, tokens, 100, 0, ttft + sum(itl), error)
+
+
+# -- figures ---------------------------------------------------------------------------------
+
+
+def test_percentiles_are_nearest_rank_as_the_sequential_bench():
+    xs = [float(x) for x in range(1, 21)]  # 1..20
+    assert percentile(xs, 0.5) == 11.0  # round(9.5) = 10 (banker's): the 11th value
+    assert percentile(xs, 0.95) == 19.0  # round(18.05) = 18
+    assert percentile([3.0], 0.95) == 3.0 and percentile([], 0.5) == 0.0
+    assert percentile([5.0, 1.0, 3.0], 0.5) == 3.0  # sorted first
+
+
+def test_a_run_summary_pools_inter_token_gaps_and_counts_tokens_over_wall_time():
+    rows = [reply("a", 0.1, (0.01, 0.03), tokens=3), reply("b", 0.3, (0.02,), tokens=2),
+            reply("", error="APIConnectionError: gone")]
+    m = summarize(rows, wall_s=0.5)
+    assert m["requests"] == 3 and m["failed"] == 1
+    assert m["ttft_ms_mean"] == 200.0 and m["ttft_ms_p95"] == 300.0  # of the two that answered
+    assert m["itl_ms_mean"] == 20.0 and m["itl_ms_p95"] == 30.0  # 10, 20, 30 ms pooled
+    assert m["throughput_tok_s"] == 10.0  # 5 tokens / 0.5 s; the failed one adds none
+    assert m["errors"] == ["APIConnectionError: gone"]
+    assert summarize([reply("", error="x")], 1.0)["ttft_ms_p95"] is None  # nothing made up
+
+
+def test_agreement_is_request_by_request_and_a_failure_agrees_with_nothing():
+    own = [reply("x"), reply("y"), reply("z"), reply("w")]
+    assert agreement(own, own) == 1.0
+    assert agreement([reply("x"), reply("n"), reply("z"), reply("w")], own) == 0.75
+    assert agreement([reply("y"), reply("x"), reply("z"), reply("w")], own) == 0.5  # order
+    assert agreement([reply("x", error="e"), *own[1:]], own) == 0.75
+    assert agreement([], []) is None and agreement(own[:2], own) is None
+
+
+def test_ratios_put_edgekv_over_llama_server_level_by_level():
+    def row(server: str, c: int, p95: float, tps: float) -> dict[str, Any]:
+        return {"server": server, "workload": "chat", "concurrency": c, "ttft_ms_p95": p95,
+                "throughput_tok_s": tps}
+
+    got = ratios([row("llama_server", 4, 200.0, 100.0), row("edgekv_parallel", 4, 100.0, 95.0),
+                  row("edgekv_p1", 4, 800.0, 30.0), row("edgekv_nocache_parallel", 4, 1, 1),
+                  row("edgekv_parallel", 8, 100.0, 95.0)])  # no peer at 8: no ratio
+    assert got == [
+        {"server": "edgekv_parallel", "vs": "llama_server", "workload": "chat",
+         "concurrency": 4, "ttft_p95_ratio": 0.5, "throughput_ratio": 0.95},
+        {"server": "edgekv_p1", "vs": "llama_server", "workload": "chat", "concurrency": 4,
+         "ttft_p95_ratio": 4.0, "throughput_ratio": 0.3}]
+
+
+# -- options ---------------------------------------------------------------------------------
+
+
+def test_concurrency_levels_parse_and_bad_ones_say_what_to_give():
+    assert parse_concurrency("1,2,4,8") == (1, 2, 4, 8)
+    assert parse_concurrency("4,1,4") == (1, 4)
+    for bad in ("0,2", "-1", "", "two", "1.5"):
+        with pytest.raises(ConfigError, match="1,2,4,8"):
+            parse_concurrency(bad)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="edgekv bench")
+    serve.add_parser(p.add_subparsers(dest="bench"))  # type: ignore[arg-type]
+    return p
+
+
+def test_bench_serve_takes_the_concurrency_options_and_hands_over(monkeypatch, capsys):
+    args = parser().parse_args(["serve", "--concurrency", "1,2", "--parallel", "4",
+                                "--servers", "edgekv_p1", "--workloads", "docs",
+                                "--requests", "4", "--users", "3", "--threads", "2"])
+    assert (args.concurrency, args.parallel, args.servers, args.workloads, args.requests,
+            args.users, args.threads, args.n_ctx) == ("1,2", 4, "edgekv_p1", "docs", 4, 3, 2,
+                                                      None)
+    seen = []
+    monkeypatch.setattr(concurrency, "run_cli", lambda a: seen.append(a) or ({}, "t"))
+    assert args.bench_run(args) == ({}, "t") and seen == [args]
+    plain = parser().parse_args(["serve"])  # the sequential bench keeps its defaults
+    assert plain.concurrency is None and plain.requests is None and plain.n_ctx is None
+    with pytest.raises(SystemExit):
+        parser().parse_args(["serve", "--help"])
+    help_text = capsys.readouterr().out
+    for opt in ("--concurrency", "--parallel", "--requests", "--max-tokens", "--threads",
+                "--servers", "--workloads"):
+        assert opt in help_text
+
+
+def test_servers_asked_bring_their_cache_off_runs():
+    assert _wanted(["edgekv_parallel"]) == ["edgekv_parallel", "edgekv_nocache_parallel"]
+    assert _wanted(["llama_server", "edgekv_p1"]) == [
+        "llama_server", "llama_server_nocache", "edgekv_p1", "edgekv_nocache_p1"]
+    assert _wanted(None) == list(SERVERS)
+    with pytest.raises(ConfigError, match="edgekv_p1"):
+        _wanted(["edgekv"])  # a sequential bench's name
+
+
+# -- command lines ---------------------------------------------------------------------------
+
+
+SETUP = Setup("m.gguf", 8192, 2, 8, Path("/bin/llama-server"))
+
+
+def command(name: str, setup: Setup = SETUP) -> list[str]:
+    return setup.command(name, Path("/w") / name)[0]
+
+
+def test_llama_server_runs_with_its_defaults_and_once_cache_off():
+    plain = command("llama_server")
+    assert plain[0] == "/bin/llama-server" and "-np" not in plain and "--parallel" not in plain
+    assert "--no-cache-prompt" not in plain and "-fa" not in plain
+    assert plain[plain.index("-c") + 1] == "8192" and plain[plain.index("-t") + 1] == "2"
+    assert command("llama_server_nocache") == [*plain, "--no-cache-prompt"]
+    with pytest.raises(ConfigError, match="make llama-server"):
+        command("llama_server", Setup("m.gguf", 8192, 2, 8, None))
+
+
+def test_edgekv_runs_at_one_and_n_sequences_each_with_its_own_cache_off():
+    def opt(cmd: list[str], flag: str) -> str:
+        return cmd[cmd.index(flag) + 1]
+
+    for name, slots in (("edgekv_p1", "1"), ("edgekv_parallel", "8"),
+                        ("edgekv_nocache_p1", "1"), ("edgekv_nocache_parallel", "8")):
+        cmd = command(name)
+        assert cmd[1:4] == ["-m", "edgekv", "serve"]
+        assert opt(cmd, "--parallel") == slots and opt(cmd, "--cache-dir") == f"/w/{name}"
+        assert opt(cmd, "--model") == "m.gguf" and opt(cmd, "--n-ctx") == "8192"
+        assert opt(cmd, "--threads") == "2" and opt(cmd, "--port") == "{port}"
+        assert ("--no-cache" in cmd) == ("nocache" in name)
+        assert "--max-queue" not in cmd
+    assert SERVERS["edgekv_p1"][2] == "edgekv_nocache_p1"  # compared at the same N
+    assert SERVERS["edgekv_parallel"][2] == "edgekv_nocache_parallel"
+    many = command("edgekv_p1", Setup("m.gguf", 8192, 2, 32, None, max_queue=32))
+    assert many[many.index("--max-queue") + 1] == "32"
+
+
+def test_edgekv_servers_probe_and_share_one_verdict(tmp_path, monkeypatch):
+    monkeypatch.setenv("EDGEKV_REUSE_GRANULARITY", "chunk")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    env = _edgekv_env()
+    assert "EDGEKV_REUSE_GRANULARITY" not in env and env["HF_HUB_OFFLINE"] == "1"
+    shared, run = tmp_path / "probes", tmp_path / "run" / "probes"
+    _share_probes(shared, run)  # nothing recorded yet: the first start probes
+    assert not run.exists()
+    run.mkdir(parents=True)
+    (run / "abc.json").write_text('{"invariant": true}')
+    _share_probes(run, shared)  # after that start: kept for the next
+    _share_probes(shared, tmp_path / "next" / "probes")
+    assert (tmp_path / "next" / "probes" / "abc.json").read_text() == '{"invariant": true}'
+    (shared / "abc.json").write_text("newer")
+    _share_probes(run, shared)  # only what the shared directory lacks is copied
+    assert (shared / "abc.json").read_text() == "newer"
+
+
+# -- workloads -------------------------------------------------------------------------------
+
+
+def render(msgs: tuple[tuple[str, str], ...]) -> str:
+    return "".join(f"<{r}>{c}</{r}>" for r, c in msgs)
+
+
+def count(text: str) -> int:
+    return len(text.split())
+
+
+def test_every_build_of_a_workload_gives_the_same_prompts():
+    for w in ("chat", "docs"):
+        a = build_prompts(w, 16, users=8, seed=0, budget=10_000, render=render, count=count)
+        b = build_prompts(w, 16, users=8, seed=0, budget=10_000, render=render, count=count)
+        assert a == b and len(a) == 16
+        assert [p.user for p in a] == [i % 8 for i in range(16)]
+        assert len({p.text for p in a}) == 16  # no request repeats another
+        other = build_prompts(w, 16, users=8, seed=1, budget=10_000, render=render, count=count)
+        assert other != a
+
+
+def test_chat_users_share_one_system_prompt_and_each_grows_its_own_history():
+    got = build_prompts("chat", 16, users=4, seed=0, budget=10_000, render=render, count=count)
+    systems = {p.text.split("</system>")[0] for p in got}
+    assert len(systems) == 1 and count(systems.pop()) > 200  # one long shared prompt
+    for u in range(4):
+        mine = [p.text for p in got if p.user == u]
+        assert [t.count("<assistant>") for t in mine] == [0, 1, 2, 3]
+        # each turn extends the user's previous prompt (less its closing question)
+        for prev, nxt in zip(mine, mine[1:]):
+            assert nxt.startswith(prev[: prev.rindex("<user>")])
+
+
+def test_a_chat_turn_over_the_budget_restarts_its_conversation():
+    full = build_prompts("chat", 16, users=4, seed=0, budget=10_000, render=render, count=count)
+    first = max(p.tokens for p in full[:4])
+    cut = build_prompts("chat", 16, users=4, seed=0, budget=first + 70, render=render,
+                        count=count)
+    assert all(p.tokens <= first + 70 for p in cut)
+    assert any("<assistant>" not in p.text for p in cut[4:])  # some turn started afresh
+    with pytest.raises(ConfigError, match="raise --n-ctx"):
+        build_prompts("docs", 4, users=4, seed=0, budget=50, render=render, count=count)
+
+
+def test_docs_users_each_have_a_distinct_document_before_their_question():
+    msgs = docs_messages(16, users=8, seed=0)
+    docs: dict[int, set[str]] = {}
+    for u, m in msgs:
+        assert m[0] == ("system", DOCS_INSTRUCTION)
+        doc, question = m[1][1].split("\n\nQuestion: ")
+        assert doc.startswith("Document:\n") and question
+        docs.setdefault(u, set()).add(doc)
+    assert all(len(d) == 1 for d in docs.values())  # a user's questions share their document
+    texts = [next(iter(d)) for d in docs.values()]
+    assert len(set(texts)) == 8
+    # distinct from the first words on: no user's document is a prefix-sharer of another's
+    assert len({t[len("Document:\n"):][:40] for t in texts}) == 8
+    assert all(100 < count(t) < 1000 for t in texts)  # a few hundred words each
+    with pytest.raises(ConfigError, match="at most 8"):
+        docs_messages(4, users=9)
+
+
+# -- clients against a streaming server on loopback -----------------------------------------
+
+
+class FakeCompletions(BaseHTTPRequestHandler):
+    """/v1/completions streamed as OpenAI does: a text chunk per token, then usage. The
+    answer is the prompt's words reversed; a prompt "fail" gets a 500."""
+
+    bodies: list[dict[str, Any]] = []
+    delay_s = 0.02
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).bodies.append(body)
+        if body["prompt"] == "fail":
+            self.send_response(500)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(b'{"error": {"message": "boom"}}')
+            return
+        words = body["prompt"].split()[::-1][: body["max_tokens"]]
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        head = {"id": "c", "object": "text_completion", "created": 0, "model": "m"}
+        for i, w in enumerate(words):
+            time.sleep(self.delay_s)
+            chunk = {**head, "choices": [{"index": 0, "text": (" " if i else "") + w,
+                                          "finish_reason": None}]}
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            self.wfile.flush()
+        usage = {"prompt_tokens": 7, "completion_tokens": len(words),
+                 "total_tokens": 7 + len(words)}
+        self.wfile.write(f"data: {json.dumps({**head, 'choices': [], 'usage': usage})}\n\n"
+                         "data: [DONE]\n\n".encode())
+
+
+@pytest.fixture
+def fake_server() -> Iterator[str]:
+    FakeCompletions.bodies = []
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), FakeCompletions)
+    t = threading.Thread(target=httpd.serve_forever, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}/v1"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_clients_stream_time_and_keep_prompt_order(fake_server):
+    import openai
+
+    def client() -> Any:
+        return openai.OpenAI(base_url=fake_server, api_key="x", max_retries=0, timeout=30)
+
+    prompts = [f"p{i} a b c" for i in range(6)] + ["fail"]
+    rows, wall = run_level(client, "llama_server", prompts, 3, 3)
+    assert [r.text for r in rows[:6]] == ["c b a"] * 6
+    assert rows[6].error is not None and "500" in rows[6].error
+    for r in rows[:6]:
+        assert r.completion_tokens == 3 and r.prompt_tokens == 7
+        assert len(r.itl_s) == 2 and all(x > 0.01 for x in r.itl_s)
+        assert 0.015 < r.ttft_s < r.total_s
+    # three in flight: about two rounds of ~60 ms, not six
+    assert wall < sum(r.total_s for r in rows) * 0.75
+    body = FakeCompletions.bodies[0]
+    assert body["temperature"] == 0.0 and body["stream"] is True
+    assert body["stream_options"] == {"include_usage": True}
+    assert body["top_k"] == 1 and body["repeat_penalty"] == 1.0  # llama-server: greedy
+    FakeCompletions.bodies = []
+    run_level(client, "edgekv", ["x y"], 1, 4)
+    assert "top_k" not in FakeCompletions.bodies[0]  # EdgeKV takes the OpenAI fields only
+    assert FakeCompletions.bodies[0]["model"] == "default"
+
+
+def test_tables_show_each_workload_the_ratios_and_the_settings():
+    row = {"server": "edgekv_parallel", "workload": "chat", "concurrency": 4,
+           **summarize([reply("a", 0.1, (0.02,))], 1.0), "agreement_own_cache_off": 1.0,
+           "agreement_own_cache_off_c1": None}
+    res = {"workloads": ["chat"], "requests": 1, "rows": [row],
+           "ratios": [{"server": "edgekv_parallel", "workload": "chat", "concurrency": 4,
+                       "ttft_p95_ratio": 0.8, "throughput_ratio": 1.1}],
+           "servers": ["edgekv_parallel"], "resolved": {"edgekv_parallel": {"n_slots": None}},
+           "health": {"edgekv_parallel": {"status": "ok", "parallel": {"slots": 4}}}}
+    text = tables(res)
+    assert "Workload `chat`" in text and "100.0 / 100.0 / 100.0" in text and "100%" in text
+    assert "0.8" in text and '{"slots": 4}' in text
+
+
+FAKE_LLAMA_SERVER = '''\
+import json, sys, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+port = int(sys.argv[sys.argv.index("--port") + 1])
+print("srv    load_model: initializing, n_slots = 4, n_ctx_slot = 8192", flush=True)
+
+
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(b'{"status": "ok"}')
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        words = body["prompt"].split()[::-1][: body["max_tokens"]]
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        head = {"id": "c", "object": "text_completion", "created": 0, "model": "m"}
+        for i, w in enumerate(words):
+            time.sleep(0.005)
+            c = {**head, "choices": [{"index": 0, "text": (" " if i else "") + w,
+                                      "finish_reason": None}]}
+            self.wfile.write(("data: " + json.dumps(c) + "\\n\\n").encode())
+            self.wfile.flush()
+        u = {"prompt_tokens": 5, "completion_tokens": len(words), "total_tokens": 9}
+        self.wfile.write(("data: " + json.dumps({**head, "choices": [], "usage": u})
+                          + "\\n\\ndata: [DONE]\\n\\n").encode())
+
+
+ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
+'''
+
+
+def test_a_whole_run_on_a_stand_in_server_process(tmp_path, monkeypatch):
+    """The run's loop end to end (start each server afresh per level, measure, stop, read its
+    log and /health, the rows and their agreement) on a stand-in for llama-server."""
+    import sys
+
+    from edgekv.bench import concurrency as mod
+    from edgekv.bench.concurrent_workload import Prompt
+    from edgekv.engines import models
+
+    binary = tmp_path / "llama-server"
+    binary.write_text(f"#!{sys.executable}\n" + FAKE_LLAMA_SERVER)
+    binary.chmod(0o755)
+    monkeypatch.setattr(models, "resolve_model", lambda m: Path("m.gguf"))
+    monkeypatch.setattr(mod, "_prompts", lambda model, workloads, requests, *a: {
+        w: [Prompt(i % 2, f"{w} q{i} a b c d", 6) for i in range(requests)] for w in workloads})
+    res = mod.run_concurrency_bench(concurrency=(1, 2), workdir=tmp_path / "w", requests=4,
+                                    max_tokens=3, servers=["llama_server"], workloads=["docs"],
+                                    llama_server=binary, threads=2, probe_dir=tmp_path / "p",
+                                    progress=False)
+    assert res["bench"] == "serve-concurrency" and res["concurrency"] == [1, 2]
+    assert res["servers"] == ["llama_server", "llama_server_nocache"]
+    keys = {"server", "workload", "concurrency", "ttft_ms_mean", "ttft_ms_p50", "ttft_ms_p95",
+            "itl_ms_mean", "itl_ms_p95", "throughput_tok_s", "agreement_own_cache_off",
+            "requests"}
+    assert len(res["rows"]) == 4 and all(keys <= set(r) for r in res["rows"])
+    on = [r for r in res["rows"] if r["server"] == "llama_server"]
+    assert [r["agreement_own_cache_off"] for r in on] == [1.0, 1.0]
+    assert all(r["failed"] == 0 and r["completion_tokens"] == 12 for r in res["rows"])
+    assert all(r["agreement_own_cache_off_c1"] == 1.0 for r in res["rows"])
+    assert len(res["start_s"]["llama_server"]) == 2  # started afresh for each level
+    assert res["resolved"]["llama_server"]["n_slots"] == "4"
+    assert res["health"]["llama_server"] == {"status": "ok"}
+    assert res["n_ctx"] == 2048 and res["parallel"] == 2  # 1024 per sequence, largest level
+    assert "--no-cache-prompt" in res["commands"]["llama_server_nocache"]
+    assert res["failed_rows"] == [] and "freshly started" in res["method"]
+    json.dumps(res)  # the JSON written as is
