@@ -17,6 +17,7 @@ never writes fragments: KV computed on top of another prompt's KV is not this pr
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -127,6 +128,9 @@ class EdgeKV:
         self.fill: FillStep = fill or (PassagePlacement(self.passages) if self.passages
                                        else LocalPrefill())
         self.fill.attach(adapter, self.config)
+        # generations on several sequences at once (`generate(sequence=...)`) take turns in
+        # the steps that read and write the cache, store, index and router
+        self._steps = threading.RLock()
 
     # -- public API ----------------------------------------------------------------------
 
@@ -196,7 +200,7 @@ class EdgeKV:
             whole_chunks=whole_chunks)
 
     def generate(self, prompt: str | Sequence[int] | Request, *,
-                 on_token: TokenCallback | None = None,
+                 on_token: TokenCallback | None = None, sequence: KVAdapter | None = None,
                  **options: Unpack[RequestOptions]) -> GenerationResult:
         """Answer `prompt` (text, token ids, or a `Request` from `prepare`), reusing what the
         cache holds for it.
@@ -209,7 +213,12 @@ class EdgeKV:
         in a chain of their own, named by `namespace` (`keys.tenant_root`); `passages`
         (with `config.passage_reuse`): texts placed before `prompt` whose cached KV is reused
         wherever they sit (approximate, labelled in `result.passages`). `on_token` sees each
-        sampled token as it comes and may stop the generation by returning False."""
+        sampled token as it comes and may stop the generation by returning False.
+
+        `sequence`: the engine sequence to run on instead of `adapter`, one of a server's
+        slots (`parallel.Slots`); several generations then run at once, one per slot and
+        thread, and their prefill and decode tokens are batched together. The steps that
+        read and write the cache (match, injection, commit) take turns."""
         t0 = time.perf_counter()
         if isinstance(prompt, Request):
             if options:
@@ -217,23 +226,26 @@ class EdgeKV:
             req = prompt
         else:
             req = self.prepare(prompt, **options)
-        a = self.adapter
-        match = self._match(req)
-        t_lookup = time.perf_counter()
-        cached = self._inject(match)
-        if cached != match.n_tokens:  # refused: the whole prompt is computed
-            match.release()
-            match = PrefixMatch(0, rejections=match.rejections, token_exact=self.token_exact)
+        a = sequence or self.adapter
+        with self._steps:
+            match = self._match(req)
+            t_lookup = time.perf_counter()
+            cached = self._inject(match, a)
+            if cached != match.n_tokens:  # refused: the whole prompt is computed
+                match.release()
+                match = PrefixMatch(0, rejections=match.rejections,
+                                    token_exact=self.token_exact)
         t_inject = time.perf_counter()
         before = a.counters.snapshot()
-        filled = self._fill(req, cached)
+        filled = self._fill(req, cached, a)
         logits = a.prefill(req.tokens[filled.held:], align=self.prefill_align)
         traffic = a.counters.since(before).traffic_bytes(a.weight_bytes,
                                                          a.fingerprint.kv_bytes_per_token)
         t_logits = time.perf_counter()
-        gen, t_first = self._sample(logits, req.sampling, on_token)
+        gen, t_first = self._sample(logits, req.sampling, on_token, a)
         t_gen = time.perf_counter()
-        match, stored, written = self._commit(req, match, filled, cached)
+        with self._steps:
+            match, stored, written = self._commit(req, match, filled, cached, a)
         t_end = time.perf_counter()
         return GenerationResult(
             text=a.detokenize(gen.tokens), tokens=gen.tokens, prompt_tokens=len(req.tokens),
@@ -306,20 +318,20 @@ class EdgeKV:
         match.release()
         return PrefixMatch(0, rejections=match.rejections, token_exact=self.token_exact)
 
-    def _fill(self, req: Request, cached: int) -> Filled:
+    def _fill(self, req: Request, cached: int, a: KVAdapter) -> Filled:
         """The fill step chosen at construction; one that continues whole chunks runs only
         where the injected prefix ends on a chunk boundary."""
         c = self.config.chunk_size
         if self.fill.whole_chunks and cached % c:
             return Filled(cached)
-        return self.fill.fill(FillRequest(self.adapter, req, c, cached, self._chunk_check(req)))
+        return self.fill.fill(FillRequest(a, req, c, cached, self._chunk_check(req)))
 
-    def _sample(self, logits: np.ndarray, s: Sampling,
-                on_token: TokenCallback | None) -> tuple[Generation, float]:
+    def _sample(self, logits: np.ndarray, s: Sampling, on_token: TokenCallback | None,
+                a: KVAdapter) -> tuple[Generation, float]:
         """Sample the answer; also the time of the first token. TTFT stops where a streaming
         client's clock stops: at the first sampled token, as text (what llama-cpp-python's
         and llama-server's first streamed chunk carries)."""
-        a, first = self.adapter, list[float]()
+        first = list[float]()
 
         def timed(tok: int) -> bool:
             if not first:
@@ -332,8 +344,8 @@ class EdgeKV:
                          **({} if s.constraint is None else {"constraint": s.constraint}))
         return gen, first[0] if first else time.perf_counter()  # EOS alone: its end
 
-    def _commit(self, req: Request, match: PrefixMatch, filled: Filled,
-                cached: int) -> tuple[PrefixMatch, int, int]:
+    def _commit(self, req: Request, match: PrefixMatch, filled: Filled, cached: int,
+                a: KVAdapter) -> tuple[PrefixMatch, int, int]:
         """After the last token: route (for reporting and indexing), store what is new and
         exact, cache passages seen for the first time, record hits, unpin, tell the
         prefetcher. Returns the match (with its route) and (fragments, bytes) stored."""
@@ -347,11 +359,11 @@ class EdgeKV:
                 and filled.exact and req.layout is None):
             seq, keys = list(req.tokens), list(req.keys)
             if self.token_exact:  # the answer's KV too: the next turn's prompt holds it
-                held = self.adapter.token_ids  # prompt + answer, less the last sampled token
+                held = a.token_ids  # prompt + answer, less the last sampled token
                 if len(held) > len(seq) and held[: len(seq)] == seq:
                     seq, keys = held, self._keys(held, req.root)
             stored, written = self.writeback.store_new(seq, cached, keys, match.route,
-                                                       req.root)
+                                                       req.root, engine=a)
         if req.layout is not None and req.store and req.use_cache and self.passages:
             self.passages.store_missing(req.layout)  # passages seen first here, computed alone
         self.writeback.record_hits(match)
@@ -386,15 +398,15 @@ class EdgeKV:
 
         return check
 
-    def _inject(self, match: PrefixMatch) -> int:
-        self.adapter.clear_kv_cache()
+    def _inject(self, match: PrefixMatch, a: KVAdapter) -> int:
+        a.clear_kv_cache()
         if not match.chunks:
             return 0
         try:
-            return self.adapter.inject_fragments(match.fragments, limit=match.n_tokens)
+            return a.inject_fragments(match.fragments, limit=match.n_tokens)
         except (IncompatibleFragment, EngineError) as e:
             log.warning("injection refused (%s); recomputing the whole prompt", e)
-            self.adapter.clear_kv_cache()
+            a.clear_kv_cache()
             return 0
 
     def store_new(self, tokens: Sequence[int], cached: int, keys: Sequence[str],

@@ -279,10 +279,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.approximate and not args.semantic:
         raise ConfigError("--approximate finds similar prompts through semantic routing: add "
                           "--semantic")
+    if args.parallel < 1:
+        raise ConfigError(f"--parallel {args.parallel}: give 1 or more")
+    if args.parallel > 1 and (args.kv_server or args.passage_reuse):
+        raise ConfigError(f"--parallel {args.parallel} batches requests on one context; "
+                          f"{'--kv-server' if args.kv_server else '--passage-reuse'} works on "
+                          "one sequence at a time: drop one of them")
     fill = _kv_loader(args)  # its switches are checked before the socket is up
     opts = ServeOptions(api_keys=api_keys(args.api_key or (), args.api_key_file or ()),
                         max_queue=args.max_queue, use_cache=not args.no_cache,
-                        allow_approximate=args.approximate,
+                        allow_approximate=args.approximate, parallel=args.parallel,
                         kv_tenant=args.kv_tenant if fill is not None else None)  # keys first
     model = resolve_model(args.model)  # a bad --model fails now, not after the socket is up
     cfg = _config(args)
@@ -451,6 +457,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="answer every request cold, storing nothing (a reference run)")
     sv.add_argument("--max-queue", type=int, default=16,
                     help="waiting requests per tenant before 429 (default 16)")
+    sv.add_argument("--parallel", type=int, default=1, metavar="N",
+                    help="generate up to N requests at once, their prefill and decode tokens "
+                    "batched in one llama.cpp context (a KV stream each), as llama-server's "
+                    "slots do. Used only where the batch-invariance probe shows batching "
+                    "keeps every answer exact; else one at a time, and /health's parallel "
+                    "object and /metrics (edgekv_batch_slots) say why (default 1)"),
     r = sv.add_argument_group("reuse beyond exact prefixes (each labelled in the response's "
                               "edgekv object)")
     r.add_argument("--semantic", action="store_true",

@@ -50,9 +50,11 @@ class Writeback:
             make_private(config.cache_dir)
 
     def store_new(self, tokens: Sequence[int], cached: int, keys: Sequence[str],
-                  route: Route | None = None, root: str = "") -> tuple[int, int]:
-        """Store the chunks of `tokens` from `cached` on (the engine holds their KV); the
-        deepest gets the route's embedding and an index entry. Returns (fragments, bytes)."""
+                  route: Route | None = None, root: str = "", *,
+                  engine: KVAdapter | None = None) -> tuple[int, int]:
+        """Store the chunks of `tokens` from `cached` on (the engine holds their KV: `engine`,
+        a server's slot, else the adapter); the deepest gets the route's embedding and an
+        index entry. Returns (fragments, bytes)."""
         c = self.config.chunk_size
         spans: list[tuple[str, str, int, int]] = []  # chain key, parent, start, end
         for i, key in enumerate(keys):
@@ -77,7 +79,7 @@ class Writeback:
             self._insert(tokens, spans, [], now)
             return 0, 0
         try:
-            frags = self.adapter.extract_fragments(specs)
+            frags = (engine or self.adapter).extract_fragments(specs)
         except (EngineError, FragmentError) as e:
             log.warning("could not extract KV for caching (%s); nothing stored", e)
             return 0, 0

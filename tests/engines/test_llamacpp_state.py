@@ -65,10 +65,38 @@ def test_layer_count_mismatch_is_refused():
                         n_embd_v=EV)
 
 
-def test_multi_stream_is_refused():
+@pytest.mark.parametrize("v_trans", [True, False])
+def test_one_sequence_of_a_context_with_a_stream_per_sequence(v_trans):
+    """llama.cpp with kv_unified=false writes every stream's cell count, the others 0: the
+    writer makes such a blob and the parser reads the one stream back."""
+    k, v = kv()
+    w = SeqStateWriter(L, N, EK, EV, np.float16, v_trans=v_trans, seq_id=2, n_stream=4)
+    for il in range(L):
+        w.k(il)[:] = k[il]
+        w.v(il)[:] = v[il]
+    one = assemble_seq_state(k, v, v_trans=v_trans)
+    assert len(w.blob) == len(one) + 3 * 4  # three more streams, an empty cell count each
+    assert w.blob[8:12] == struct.pack("<I", 4) and w.blob[-12:] == bytes(12)
+    st = parse_seq_state(w.blob, n_layer=L, n_embd_k=EK, n_embd_v=EV)
+    assert st.n_tokens == N and np.array_equal(st.keys, k) and np.array_equal(st.values, v)
+    empty = SeqStateWriter(L, 0, EK, EV, np.float16, v_trans=v_trans, n_stream=4).blob
+    assert parse_seq_state(empty, n_layer=L, n_embd_k=EK, n_embd_v=EV).n_tokens == 0
+
+
+def test_cells_in_two_streams_are_refused():
+    """A whole multi-sequence context (cells in two streams) is not one sequence."""
+    k, v = kv()
+    one = assemble_seq_state(k, v, v_trans=True)
+    body = bytes(one[12:])  # a stream: cell count, cells, K, V
+    two = bytes(one[:8]) + struct.pack("<I", 2) + body + body
+    with pytest.raises(UnsupportedLayout, match="several KV streams"):
+        parse_seq_state(two, n_layer=L, n_embd_k=EK, n_embd_v=EV)
+
+
+def test_a_stream_count_that_is_not_llamacpp_is_refused():
     k, v = kv()
     blob = bytearray(assemble_seq_state(k, v, v_trans=True))
-    blob[8:12] = struct.pack("<I", 2)
+    blob[8:12] = struct.pack("<I", 0)
     with pytest.raises(UnsupportedLayout, match="streams"):
         parse_seq_state(bytes(blob), n_layer=L, n_embd_k=EK, n_embd_v=EV)
 

@@ -114,14 +114,43 @@ class SequenceContext:
     def decode(self, items: Sequence[BatchItem]) -> list[np.ndarray]:
         """One batch (`BatchItem`s, any sequence ids below the context's n_seq_max); the
         logits of the items that asked for them."""
-        if self._ctx is None:
-            raise EngineError("the sequence context is closed")
-        return _decode(self._lib, self._ctx, items, self.n_vocab)
+        return _decode(self._lib, self._open(), items, self.n_vocab)
+
+    def read_state(self, seq: int) -> ctypes.Array[ctypes.c_uint8]:
+        """Sequence `seq`'s state blob (`llama_state_seq_get_data`), a copy."""
+        ctx = self._open()
+        size = self._lib.llama_state_seq_get_size(ctx, seq)
+        buf = (ctypes.c_uint8 * size)()
+        written = self._lib.llama_state_seq_get_data(ctx, buf, size, seq)
+        if written != size:
+            raise EngineError(f"llama_state_seq_get_data wrote {written} of {size} bytes")
+        return buf
+
+    def write_state(self, seq: int, blob: bytearray) -> None:
+        """Replace sequence `seq` with the blob's cells; if llama.cpp refuses it the sequence
+        is left empty and EngineError raised."""
+        ctx = self._open()
+        src = (ctypes.c_uint8 * len(blob)).from_buffer(blob)
+        read = self._lib.llama_state_seq_set_data(ctx, src, len(blob), seq)
+        if read != len(blob):
+            self.remove(seq)
+            raise EngineError(f"llama.cpp refused the assembled state of sequence {seq} "
+                              f"({read} of {len(blob)} bytes read); it is cleared")
+
+    def remove(self, seq: int) -> None:
+        """Drop every cell of sequence `seq` (`llama_memory_seq_rm`)."""
+        lib = self._lib
+        lib.llama_memory_seq_rm(lib.llama_get_memory(self._open()), seq, -1, -1)
 
     def close(self) -> None:
         ctx, self._ctx = self._ctx, None
         if ctx is not None:
             self._lib.llama_free(ctx)
+
+    def _open(self) -> Any:
+        if self._ctx is None:
+            raise EngineError("the sequence context is closed")
+        return self._ctx
 
     def __enter__(self) -> SequenceContext:
         return self
@@ -390,10 +419,33 @@ class LlamaCppAdapter(ShiftableKV, WindowedKV, ModelFile):
                       keep: SeqState | None = None) -> int:
         """Replace the sequence with cells 0..n-1: the cells of `keep` first (what the engine
         holds, as `read_state` returned it, with its token ids), then the blocks' cells (a
-        `KVFragment` is a block), written straight into the blob llama.cpp reads; blocks past
-        n are cut. Returns n. If llama.cpp refuses the blob the context is cleared and
-        EngineError raised. Every state restore of the adapter goes through here (injection,
-        append, passage placement).
+        `KVFragment` is a block), written straight into the blob llama.cpp reads
+        (`assemble_cells`); blocks past n are cut. Returns n. If llama.cpp refuses the blob
+        the context is cleared and EngineError raised. Every state restore of the adapter
+        goes through here (injection, append, passage placement)."""
+        blob, ids = self.assemble_cells(blocks, n, keep=keep,
+                                        keep_ids=None if keep is None else self.token_ids)
+        self.clear_kv_cache()
+        src = (ctypes.c_uint8 * len(blob)).from_buffer(blob)
+        read = self._lib.llama_state_seq_set_data(self._ctx, src, len(blob), 0)
+        if read != len(blob):
+            self.clear_kv_cache()
+            raise EngineError(f"llama.cpp refused the assembled state ({read} of {len(blob)} "
+                              "bytes read); the context is cleared, prefill will recompute")
+        self._llm.input_ids[:n] = ids
+        self._llm.n_tokens = n
+        win = self.window
+        if win.swa_layers:
+            self._swa_from = win.needed_from(win.swa_layers[0], n)
+        return n
+
+    def assemble_cells(self, blocks: Sequence[CellBlock], n: int, *,
+                       keep: SeqState | None = None, keep_ids: Sequence[int] | None = None,
+                       seq_id: int = 0, n_stream: int = 1) -> tuple[bytearray, np.ndarray]:
+        """The state blob of one sequence holding cells 0..n-1, and their token ids: the
+        cells of `keep` (with its `keep_ids`) first, then the blocks', cut at n; for sequence
+        `seq_id` of a context with `n_stream` KV streams (`llamacpp_slots`). Nothing in the
+        context changes.
 
         Local (sliding-window) layers get only the last window, [n - n_swa, n): that is all the
         tokens after n attend to. With `swa_full` their cache still gets cells for every
@@ -410,7 +462,8 @@ class LlamaCppAdapter(ShiftableKV, WindowedKV, ModelFile):
                     else None)
         writer = SeqStateWriter(fp.n_layer, n, fp.n_embd_k, fp.n_embd_v,
                                 np.dtype(np.float16 if fp.kv_dtype == "f16" else np.float32),
-                                v_trans=v_trans, sections=sections)
+                                v_trans=v_trans, seq_id=seq_id, n_stream=n_stream,
+                                sections=sections)
 
         def put(layer: int, lo: int, k: np.ndarray, v: np.ndarray) -> None:
             need = win.needed_from(layer, n)
@@ -423,7 +476,9 @@ class LlamaCppAdapter(ShiftableKV, WindowedKV, ModelFile):
         ids = np.empty(n, np.int32)
         if keep is not None:
             m = keep.n_tokens
-            ids[:m] = self.token_ids[:m]
+            if keep_ids is None or len(keep_ids) < m:
+                raise EngineError(f"the {m} cells kept need their token ids")
+            ids[:m] = keep_ids[:m]
             for layer in range(fp.n_layer):
                 lo = min(m, win.needed_from(layer, n))
                 put(layer, lo, *keep.layer_kv(layer, slice(lo, m)))
@@ -435,19 +490,7 @@ class LlamaCppAdapter(ShiftableKV, WindowedKV, ModelFile):
             ids[f.token_start : end] = f.token_ids[:m]
             for i, layer in enumerate(f.layer_indices):
                 put(layer, f.token_start, f.keys[i, :m], f.values[i, :m])
-        blob = writer.blob
-        self.clear_kv_cache()
-        src = (ctypes.c_uint8 * len(blob)).from_buffer(blob)
-        read = self._lib.llama_state_seq_set_data(self._ctx, src, len(blob), 0)
-        if read != len(blob):
-            self.clear_kv_cache()
-            raise EngineError(f"llama.cpp refused the assembled state ({read} of {len(blob)} "
-                              "bytes read); the context is cleared, prefill will recompute")
-        self._llm.input_ids[:n] = ids
-        self._llm.n_tokens = n
-        if win.swa_layers:
-            self._swa_from = win.needed_from(win.swa_layers[0], n)
-        return n
+        return writer.blob, ids
 
     def _probe_v_trans(self) -> bool:
         """Learn whether llama.cpp stores V transposed by writing a one-token state."""
@@ -511,16 +554,27 @@ class LlamaCppAdapter(ShiftableKV, WindowedKV, ModelFile):
             raise UnsupportedLayout("this llama.cpp context cannot shift its KV cells")
         lib.llama_memory_seq_add(mem, 0, -1, -1, delta)
 
-    def sequence_context(self, n_seq: int, n_tokens: int, *, unified: bool) -> SequenceContext:
+    def sequence_context(self, n_seq: int, n_tokens: int, *, unified: bool,
+                         per_sequence: int | None = None,
+                         n_batch: int | None = None) -> SequenceContext:
         """A second context of this model (this one's parameters) holding `n_seq` sequences
         and `n_tokens` tokens in all, in one batch if need be; `unified`: one KV cache for
-        every sequence (llama.cpp's kv_unified), else one KV stream per sequence."""
+        every sequence (llama.cpp's kv_unified), else one KV stream per sequence.
+        `per_sequence`: instead, exactly that many cells for each sequence (a server's slots:
+        this context's n_ctx each), decoded in batches of up to `n_batch` tokens."""
         src = self._llm.context_params
         params = type(src)()
         ctypes.memmove(ctypes.byref(params), ctypes.byref(src), ctypes.sizeof(src))
         params.n_seq_max = n_seq
-        params.n_ctx = max(1024, n_tokens + 64)
-        params.n_batch = max(int(src.n_batch), n_tokens)
+        if per_sequence is not None:
+            if unified or per_sequence % 256:
+                raise EngineError(f"per_sequence={per_sequence} needs a KV stream per "
+                                  "sequence and a multiple of 256 cells (llama.cpp pads to it)")
+            params.n_ctx = n_seq * per_sequence
+            params.n_batch = n_batch or int(src.n_batch)
+        else:
+            params.n_ctx = max(1024, n_tokens + 64)
+            params.n_batch = max(int(src.n_batch), n_tokens)
         params.kv_unified = unified
         ctx = self._lib.llama_init_from_model(self._llm.model, params)
         if not ctx:

@@ -19,7 +19,10 @@ one sequence, llama.cpp leaves out the SWA cells the window already masks (posit
 whole cache) it writes every cell it still holds: all of them with `swa_full=True`, the last
 window plus a micro-batch without. See docs/llamacpp-state.md.
 
-Only what can be sliced and reassembled safely is accepted: one stream, one sequence, plain
+A context with one KV stream per sequence (llama.cpp `kv_unified=false`, the server's slots in
+`llamacpp_slots`) writes every stream's cell count for one sequence, 0 but in its own stream.
+
+Only what can be sliced and reassembled safely is accepted: one sequence in one stream, plain
 f16/f32 K and V, no per-cell extension (M-RoPE / n-gram models), every cache's cells a gap-free
 range of positions ending at the same place, every byte accounted for. Anything else raises
 `UnsupportedLayout` with what was found, so the cache falls back to recomputing instead of
@@ -173,13 +176,31 @@ def _dtype(type_id: int, what: str) -> np.dtype:
 
 def _read_cache(r: _Reader, layers: tuple[int, ...], n_embd_k: int, n_embd_v: int,
                 what: str) -> tuple[KVSection, bool | None]:
-    """One KV cache's stream: its section and v_trans (None when it holds no cells)."""
-    if (n_stream := r.take("<I")) != 1:
-        raise UnsupportedLayout(f"{n_stream} KV streams; EdgeKV supports a unified single stream")
-    n = r.take("<I")
-    if n == 0:
+    """One KV cache: the section of the one stream that holds the sequence's cells, and
+    v_trans (None when it holds no cells). A context with a KV stream per sequence
+    (llama.cpp's kv_unified=false) writes every stream's cell count, the others' 0."""
+    n_stream = r.take("<I")
+    if not 1 <= n_stream <= 256:
+        raise UnsupportedLayout(f"{n_stream} KV streams in the state; not a llama.cpp blob "
+                                "EdgeKV understands")
+    found: tuple[KVSection, bool | None] | None = None
+    for _ in range(n_stream):
+        n = r.take("<I")
+        if n == 0:
+            continue
+        if found is not None:
+            raise UnsupportedLayout(f"{what} holds cells in several KV streams (a whole "
+                                    "multi-sequence context); EdgeKV reads one sequence")
+        found = _read_stream(r, n, layers, n_embd_k, n_embd_v, what)
+    if found is None:
         return KVSection(layers, 0, np.zeros((len(layers), 0, n_embd_k), np.float16),
                          np.zeros((len(layers), 0, n_embd_v), np.float16)), None
+    return found
+
+
+def _read_stream(r: _Reader, n: int, layers: tuple[int, ...], n_embd_k: int, n_embd_v: int,
+                 what: str) -> tuple[KVSection, bool]:
+    """One stream's `n` cells, then its K and V."""
     cells = r.array(_CELL, n)
     if np.any(cells["n_seq"] != 1):
         raise UnsupportedLayout("cells shared by several sequences or with a per-cell extension "
@@ -265,7 +286,7 @@ class SeqStateWriter:
     """
 
     def __init__(self, n_layer: int, n: int, n_embd_k: int, n_embd_v: int, dtype: np.dtype,
-                 *, v_trans: bool, seq_id: int = 0,
+                 *, v_trans: bool, seq_id: int = 0, n_stream: int = 1,
                  sections: Sequence[tuple[Sequence[int], int]] | None = None) -> None:
         dt = np.dtype(dtype).newbyteorder("<")
         tid = _TYPE_IDS[dt]
@@ -276,6 +297,7 @@ class SeqStateWriter:
                   else struct.pack("<iQ", tid, n_embd_v * dt.itemsize))
         parts: list[tuple[bytes, tuple[int, ...], int]] = []
         total = 8
+        empty_streams = 4 * (n_stream - 1)  # their u32 cell counts, 0
         for layers, start in sections:
             m = n - start
             if not 0 <= start <= n:
@@ -284,10 +306,14 @@ class SeqStateWriter:
             cells["pos"] = np.arange(start, n)
             cells["n_seq"] = 1
             cells["seq"] = seq_id
-            head = struct.pack("<II", 1, m)
+            # the cells in the first stream, the other streams' cell counts 0 after its data
+            # (the blob is zeroed): llama.cpp restores a sequence into its own stream,
+            # whichever stream of the blob holds the cells
+            head = struct.pack("<II", n_stream, m)
             if m:
                 head += cells.tobytes() + struct.pack("<II", 1 if v_trans else 0, len(layers))
             parts.append((head, tuple(layers), m))
+            total += empty_streams
             if m:
                 total += len(head) + len(layers) * (len(k_head) + len(v_head)
                                                     + m * (n_embd_k + n_embd_v) * dt.itemsize)
@@ -302,7 +328,7 @@ class SeqStateWriter:
         self._start: dict[int, int] = {}
         for head, layers, m in parts:
             mv[off : off + len(head)] = head
-            off += len(head)
+            off += len(head) + (0 if m else empty_streams)
             if not m:
                 continue
             for il in layers:
@@ -320,6 +346,7 @@ class SeqStateWriter:
                     arr = np.frombuffer(self.blob, dt, m * n_embd_v, off).reshape(m, n_embd_v)
                 self._v[il] = arr
                 off += m * n_embd_v * dt.itemsize
+            off += empty_streams
 
     def k(self, layer: int) -> np.ndarray:
         return self._k[layer]

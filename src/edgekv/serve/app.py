@@ -31,6 +31,7 @@ from ..cache import EdgeKV
 from ..engines.base import ModelFile
 from ..engines.constraint import Grammar
 from ..errors import ConfigError
+from ..parallel import Slots, open_slots
 from ..prefetch import Prefetcher
 from ..store.base import StoreStats
 from ..store.tiered import TieredStore
@@ -63,8 +64,11 @@ class ServeOptions:
     use_cache: bool = True  # False: every request runs cold (the reference in benchmarks)
     allow_approximate: bool = False  # --approximate: a request may ask `"approximate": true`
     kv_tenant: str | None = None  # --kv-server: untenanted requests use this tenant's chain
+    parallel: int = 1  # --parallel: requests generating at once, where batching is exact
 
     def __post_init__(self) -> None:
+        if self.parallel < 1:
+            raise ConfigError(f"parallel={self.parallel} must be >= 1")
         if self.max_queue < 1 or (self.max_waiting is not None and self.max_waiting < 1):
             raise ConfigError(f"max_queue={self.max_queue} (and max_waiting) must be >= 1")
         if self.max_body_bytes < 1024:
@@ -114,6 +118,7 @@ class _Server:
                  options: ServeOptions) -> None:
         self.options, self.model_id = options, model_id
         self.served: ServedModel | None = None
+        self.slots: Slots | None = None  # what --parallel got (parallel.open_slots)
         self._loader = None if isinstance(kv, EdgeKV) else kv
         self.scheduler = Scheduler(max_queue=options.max_queue,
                                    max_waiting=options.max_waiting,
@@ -123,25 +128,32 @@ class _Server:
                                     running=lambda: self.scheduler.running,
                                     store_stats=self._store_stats,
                                     prefetch_stats=self._prefetch_stats,
-                                    kv_server_stats=self._kv_server_stats)
+                                    kv_server_stats=self._kv_server_stats,
+                                    parallel_stats=self._parallel_stats)
         self.created = int(time.time())
         if isinstance(kv, EdgeKV):
             self._serve(kv)
 
     # -- lifecycle (worker thread / shutdown) --------------------------------------------
 
-    def load(self) -> None:
+    def load(self) -> int:
+        """Load the model (on the first worker); how many workers to run."""
         if self._loader is not None:
             self._serve(self._loader())
+        return 1 if self.slots is None else self.slots.count
 
     def _serve(self, kv: EdgeKV) -> None:
+        self.slots = open_slots(kv, self.options.parallel)
         self.served = ServedModel(kv, self.model_id, use_cache=self.options.use_cache,
-                                  kv_tenant=self.options.kv_tenant)
+                                  kv_tenant=self.options.kv_tenant,
+                                  sequences=self.slots.sequences)
         if kv.router is not None:
             self.metrics.routing()
 
     def close(self) -> None:
         self.scheduler.stop()
+        if self.slots is not None:
+            self.slots.close()
         if self._loader is not None and self.served is not None:  # we built it: we close it
             self.served.kv.close()
             self.served.kv.adapter.close()
@@ -155,6 +167,9 @@ class _Server:
     def _prefetch_stats(self) -> dict[str, float] | None:
         p = None if self.served is None else self.served.kv.prefetcher
         return p.stats() if isinstance(p, Prefetcher) else None
+
+    def _parallel_stats(self) -> dict[str, float] | None:
+        return None if self.slots is None else self.slots.stats()
 
     def _kv_server_stats(self) -> dict[str, float] | None:
         fill = None if self.served is None else self.served.kv.fill
@@ -209,7 +224,8 @@ class _Server:
 
     async def health(self, request: Request) -> JSONResponse:
         if self.served is not None and self.scheduler.ready.is_set():
-            return JSONResponse({"status": "ok", "model": self.model_id})
+            parallel = self.slots.as_dict() if self.slots is not None else None
+            return JSONResponse({"status": "ok", "model": self.model_id, "parallel": parallel})
         err = self.scheduler.load_error
         body = ({"status": "failed", "error": str(err)} if err is not None
                 else {"status": "loading", "model": self.model_id})

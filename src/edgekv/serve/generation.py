@@ -4,7 +4,8 @@ Tokenizing happens when the request arrives, so a prompt that does not fit the c
 is refused at once (400) instead of after waiting behind other generations; it runs under its
 own lock, beside the worker: llama.cpp's tokenizer only reads the vocabulary (llama-server
 tokenizes in its HTTP threads too), and so do the fake and HF fast tokenizers. Everything else
-that touches the engine runs on the one worker thread. Results go back as events: `Started`
+that touches the engine runs on a worker thread (one, or one per slot with `--parallel`).
+Results go back as events: `Started`
 when the job leaves the queue (a stream's 200 is sent then), `Delta` for each piece of text,
 then `Finished` or an `APIError`.
 
@@ -18,10 +19,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from ..cache import EdgeKV
 from ..chat import ChatTokenizer
+from ..engines.base import KVAdapter
 from ..engines.constraint import Chain, Constraint, Grammar, grammar_constraint
 from ..errors import EdgeKVError, EngineError
 from ..keys import KV_SERVER_TENANTS, SERVE_TENANTS
@@ -90,10 +93,13 @@ class ServedModel:
     """The loaded EdgeKV and what the HTTP side needs to know about its model."""
 
     def __init__(self, kv: EdgeKV, model_id: str, *, use_cache: bool = True,
-                 kv_tenant: str | None = None) -> None:
+                 kv_tenant: str | None = None, sequences: Sequence[KVAdapter] = ()) -> None:
         """`kv_tenant` (with --kv-server): the KV-server tenant whose chain the untenanted
-        requests (no API key, no cache_salt) are keyed in, so that they stream its chunks."""
+        requests (no API key, no cache_salt) are keyed in, so that they stream its chunks.
+        `sequences`: the engine slots of `--parallel` (`parallel.open_slots`); worker i
+        generates on slot i. Empty: one worker, on the EdgeKV's own adapter."""
         self.kv, self.model_id, self.use_cache = kv, model_id, use_cache
+        self.sequences = tuple(sequences)
         self.kv_tenant = kv_tenant
         a = kv.adapter
         self.n_ctx = int(a.n_ctx)
@@ -243,7 +249,8 @@ class ServedModel:
         try:
             r = self.kv.generate(replace(prepared, sampling=replace(prepared.sampling,
                                                                      constraint=constraint)),
-                                 on_token=on_token)
+                                 on_token=on_token,
+                                 sequence=self.sequences[job.worker] if self.sequences else None)
         except EdgeKVError as e:  # its message goes to the client, not to the log
             log.warning("request %s refused by generate: %s", job.request_id, type(e).__name__)
             log.debug("request %s refused by generate", job.request_id, exc_info=e)

@@ -13,7 +13,10 @@ here), `edgekv_passage_reused_tokens_total` (document tokens placed from the pas
 `edgekv_approximate_requests_total` (answers labelled approximate), and with a prefetcher
 `edgekv_prefetch_requests_total`, `edgekv_prefetch_predicted_total`, `edgekv_prefetch_hits_total`,
 `edgekv_prefetch_warmed_fragments_total` and `edgekv_prefetch_hit_rate` (hits / predicted); with
---kv-server `edgekv_kv_server_up`, `edgekv_kv_published_total`, `edgekv_kv_publish_failures_total`.
+--kv-server `edgekv_kv_server_up`, `edgekv_kv_published_total`, `edgekv_kv_publish_failures_total`;
+once loaded `edgekv_batch_slots` (requests generating at once: 1 where `--parallel` fell back
+to one at a time, and `/health`'s `parallel.reason` says why), `edgekv_batch_requested`,
+`edgekv_batch_steps_total`, `edgekv_batch_tokens_total`, `edgekv_batch_max_sequences`.
 """
 
 from __future__ import annotations
@@ -54,7 +57,8 @@ class ServeMetrics:
     def __init__(self, *, waiting: Callable[[], int], running: Callable[[], int],
                  store_stats: Callable[[], Sequence[StoreStats]],
                  prefetch_stats: Callable[[], Mapping[str, float] | None] = lambda: None,
-                 kv_server_stats: Callable[[], Mapping[str, float] | None] = lambda: None
+                 kv_server_stats: Callable[[], Mapping[str, float] | None] = lambda: None,
+                 parallel_stats: Callable[[], Mapping[str, float] | None] = lambda: None
                  ) -> None:
         r = self.registry = CollectorRegistry()
         self.prefix_queries = Counter(
@@ -100,6 +104,7 @@ class ServeMetrics:
         r.register(_StoreCollector(store_stats, self.refused))
         r.register(_prefetch_collector(prefetch_stats))
         r.register(_kv_server_collector(kv_server_stats))
+        r.register(_parallel_collector(parallel_stats))
 
     def routing(self) -> None:
         """A semantic router is on: every tier is shown from the start (as 0)."""
@@ -211,6 +216,16 @@ def _kv_server_collector(stats: Callable[[], Mapping[str, float] | None]) -> _St
         "publish_failures": "Precompute requests that failed"},
         {"server_up": "1 while chunks may stream from the KV server (its check passed), "
          "else 0: every chunk is computed here"})
+
+
+def _parallel_collector(stats: Callable[[], Mapping[str, float] | None]) -> _StatsCollector:
+    """--parallel (`parallel.Slots.stats`): slots in use and what batching did."""
+    return _StatsCollector(stats, "edgekv_batch_", {
+        "steps": "Batched decodes of the slots' tokens (llama_decode calls)",
+        "tokens": "Tokens decoded in batched steps (prompt and generated)"},
+        {"slots": "Requests that generate at once (1: one at a time; /health says why)",
+         "requested": "Slots asked for with --parallel",
+         "max_sequences": "The most sequences one batched step held"})
 
 
 class CountResponses:

@@ -1,7 +1,8 @@
-"""One worker thread, fed fairly: a bounded FIFO per tenant, served round-robin.
+"""Worker threads, fed fairly: a bounded FIFO per tenant, served round-robin.
 
-Why one thread: EdgeKV and its engine hold one sequence and are not thread-safe, and on a small
-CPU two generations at once would only share the same cores. Why per-tenant queues: a tenant
+Why one worker by default: EdgeKV's engine holds one sequence. With `--parallel N` the engine
+has N slots (`parallel.open_slots`) whose tokens are batched together, and N workers take jobs
+from the same queues, worker i always on slot i (`Job.worker`). Why per-tenant queues: a tenant
 that sends fifty requests must not make another tenant's single request wait behind all fifty;
 tenants take turns, each in arrival order. Why bounded: a request that cannot start soon is
 better refused at once (429, the client backs off) than held until it times out.
@@ -54,6 +55,7 @@ class Job:
         self.cancelled = threading.Event()  # checked by the work between tokens
         self.arrived = time.perf_counter()
         self.started: float | None = None
+        self.worker = 0  # which worker (and engine slot) runs it
         self.done = False  # set by the consumer once it has the final event
 
     async def next_event(self, gone: asyncio.Future[None]) -> object | None:
@@ -88,10 +90,10 @@ class Scheduler:
         self.max_waiting = max_waiting or 4 * max_queue
         self._queues: OrderedDict[str, deque[Job]] = OrderedDict()
         self._cond = threading.Condition()
-        self._running: Job | None = None
+        self._running: set[Job] = set()
         self._waiting = 0
         self._stopping = False
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self._on_cancel = on_cancel or (lambda stage: None)
         self.ready = threading.Event()  # set once `setup` has run
         self.load_error: BaseException | None = None
@@ -104,14 +106,17 @@ class Scheduler:
 
     @property
     def running(self) -> int:
-        return 0 if self._running is None else 1
+        return len(self._running)
 
-    def start(self, setup: Callable[[], None] | None = None,
+    @property
+    def workers(self) -> int:
+        return len(self._threads)
+
+    def start(self, setup: Callable[[], int | None] | None = None,
               on_error: Callable[[BaseException], None] | None = None) -> None:
-        """Start the worker; it runs `setup` (loading the model) before the first job."""
-        self._thread = threading.Thread(target=self._loop, args=(setup, on_error),
-                                        name="edgekv-serve-worker", daemon=True)
-        self._thread.start()
+        """Start the first worker; it runs `setup` (loading the model) before the first job.
+        `setup` returns how many workers to run in all (None: one); the others start then."""
+        self._spawn(0, setup, on_error)
 
     def submit(self, job: Job) -> None:
         """Queue `job` behind its tenant's earlier jobs, or raise QueueFull (429) at once."""
@@ -143,7 +148,7 @@ class Scheduler:
                     del self._queues[job.tenant]
                 self._on_cancel("waiting")
                 return
-            if self._running is job and not job.cancelled.is_set():
+            if job in self._running and not job.cancelled.is_set():
                 job.cancelled.set()
                 self._on_cancel("running")
 
@@ -154,20 +159,28 @@ class Scheduler:
             dropped = [j for q in self._queues.values() for j in q]
             self._queues.clear()
             self._waiting = 0
-            if self._running is not None:
-                self._running.cancelled.set()
+            for job in self._running:
+                job.cancelled.set()
             self._cond.notify_all()
         for job in dropped:
             job.emit(APIError(503, "the server is shutting down", type="server_error",
                               code="shutting_down"))
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                log.warning("the worker did not stop within %.0f s", timeout)
+        deadline = time.monotonic() + timeout
+        for thread in list(self._threads):
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                log.warning("the worker %s did not stop within %.0f s", thread.name, timeout)
 
     # -- private helpers -----------------------------------------------------------------
 
-    def _next(self) -> Job | None:
+    def _spawn(self, index: int, setup: Callable[[], int | None] | None = None,
+               on_error: Callable[[BaseException], None] | None = None) -> None:
+        thread = threading.Thread(target=self._loop, args=(index, setup, on_error),
+                                  name=f"edgekv-serve-worker-{index}", daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def _next(self, worker: int) -> Job | None:
         with self._cond:
             while not self._stopping and not self._queues:
                 self._cond.wait()
@@ -180,15 +193,17 @@ class Scheduler:
             else:
                 del self._queues[tenant]
             self._waiting -= 1
-            self._running = job
+            self._running.add(job)
             job.started = time.perf_counter()
+            job.worker = worker
             return job
 
-    def _loop(self, setup: Callable[[], None] | None,
+    def _loop(self, index: int, setup: Callable[[], int | None] | None,
               on_error: Callable[[BaseException], None] | None) -> None:
-        if setup is not None:
+        if index == 0:  # the first worker loads, then starts the others
+            workers = 1
             try:
-                setup()
+                workers = (setup() if setup is not None else None) or 1
             except BaseException as e:  # noqa: BLE001 - reported, and the server says so
                 log.error("loading the model failed: %s", e)  # a path, not a request
                 log.debug("loading the model failed", exc_info=e)
@@ -196,8 +211,10 @@ class Scheduler:
                 if on_error is not None:
                     on_error(e)
                 return
-        self.ready.set()
-        while (job := self._next()) is not None:
+            for i in range(1, workers):
+                self._spawn(i)
+            self.ready.set()
+        while (job := self._next(index)) is not None:
             try:
                 job.work(job)
             except BaseException as e:  # noqa: BLE001 - the worker must outlive any request
@@ -207,4 +224,4 @@ class Scheduler:
                                   type="server_error", code="internal_error"))
             finally:
                 with self._cond:
-                    self._running = None
+                    self._running.discard(job)

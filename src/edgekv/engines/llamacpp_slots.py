@@ -1,0 +1,365 @@
+"""A server's slots: N sequences of one llama.cpp context, their tokens decoded together.
+
+Why: one sequence at a time makes the fourth of four concurrent requests wait for three whole
+generations before its first token, and leaves the CPU's vector units idle during decode (one
+token's mat-vec streams every weight for a single row). llama-server's slots put every
+request's tokens in one llama_batch under its own sequence id instead (continuous batching);
+`SlotPool` does the same for EdgeKV.
+
+How, and why it stays exact:
+- One context with `n_seq_max = N` and one KV stream per sequence (llama.cpp
+  `kv_unified=false`), `n_ctx` cells each. A sequence's cells start at 0 in its own stream, as
+  when it runs alone, and attention reads only its own stream. That a token's numbers then do
+  not depend on its batch mates is what the probe's multi-sequence schedule checks bit for bit
+  (`probe_batch`); `parallel.open_slots` builds a pool only where it passed, where reuse is
+  token-exact, and for models whose state one sequence can hold (no sliding window).
+- Each `Slot` is a whole `KVAdapter` over its sequence id, so EdgeKV's one pipeline runs per
+  request on its own thread (`EdgeKV.generate(..., sequence=slot)`): its own injection, its
+  own extraction, its own token list. A slot's `prefill` hands its tokens to the pool and waits.
+- The pool's thread gathers what the busy slots have handed in (a decode step's one token, a
+  prompt's next piece), decodes it as one batch and hands each slot its logits. A prompt goes
+  in pieces of at most `max_batch` tokens a step, decode tokens first, so that running
+  generations keep stepping while a long prompt is computed (llama-server's n_batch).
+- The rendezvous: a slot that just got logits samples its next token (about a millisecond) and
+  hands it in. The pool waits for every such "stepping" slot, up to `gather_s`, so that their
+  tokens share one batch rather than going out one at a time. A slot doing anything else (a
+  store lookup, an injection) is not waited for.
+- llama.cpp's context is not thread-safe: every call on it (decode, state read and write, cell
+  removal) holds the pool's lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..errors import EngineError, IncompatibleFragment, UnsupportedLayout
+from ..fragment import KVFragment
+from .base import EngineCounters, FragmentSpec, Generation, TokenCallback
+from .constraint import Constraint, Grammar
+from .llamacpp_state import CellBlock, SeqState, parse_seq_state
+from .shared import (
+    aligned_batches,
+    append_length,
+    build_fragments,
+    check_prefill,
+    injection_length,
+    sample_loop,
+)
+
+if TYPE_CHECKING:
+    from .llamacpp import BatchItem, LlamaCppAdapter, SequenceContext
+
+__all__ = ["Slot", "SlotPool"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Work:
+    """Tokens one slot handed in: decoded over one or more steps, logits of the last."""
+
+    seq: int
+    tokens: list[int]
+    pos: int  # the position of tokens[0]
+    order: int  # arrival: prompts are served first come, first served
+    sent: int = 0  # tokens already decoded
+    logits: np.ndarray | None = None
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class SlotPool:
+    """N slots over one llama.cpp context with a KV stream each; see the module doc."""
+
+    def __init__(self, adapter: LlamaCppAdapter, n_seq: int, *, max_batch: int = 512,
+                 gather_s: float = 0.004) -> None:
+        if n_seq < 2:
+            raise EngineError(f"a slot pool needs at least 2 sequences, got {n_seq}")
+        if adapter.window.swa_layers:
+            raise UnsupportedLayout(
+                "a sliding-window model's KV is read from the whole cache (one sequence per "
+                "context), so its requests run one at a time")
+        self.adapter, self.n_seq, self.max_batch, self.gather_s = (adapter, n_seq, max_batch,
+                                                                   gather_s)
+        per_seq = -(-adapter.n_ctx // 256) * 256  # llama.cpp pads a stream to 256 cells
+        self._ctx: SequenceContext = adapter.sequence_context(
+            n_seq, n_seq * per_seq, unified=False, per_sequence=per_seq,
+            n_batch=max(max_batch, 512))
+        self._lock = threading.Lock()  # the llama.cpp context
+        self._cond = threading.Condition()  # the hand-ins below
+        self._pending: dict[int, _Work] = {}
+        self._stepping: set[int] = set()  # slots that got logits and may hand in soon
+        self._arrivals = 0
+        self._closed = False
+        # what batching did, for /metrics: steps decoded, tokens, the widest batch
+        self.steps = self.tokens = self.max_sequences = 0
+        self.slots = [Slot(self, s) for s in range(n_seq)]
+        self._thread = threading.Thread(target=self._loop, name="edgekv-slots", daemon=True)
+        self._thread.start()
+
+    # -- what a slot calls ---------------------------------------------------------------
+
+    def decode(self, seq: int, tokens: Sequence[int], pos: int) -> np.ndarray:
+        """Decode `tokens` of sequence `seq` from position `pos`, batched with the other
+        slots' tokens; the last token's logits."""
+        with self._cond:
+            if self._closed:
+                raise EngineError("the slot pool is closed")
+            work = _Work(seq, list(tokens), pos, self._arrivals)
+            self._arrivals += 1
+            self._pending[seq] = work
+            self._stepping.discard(seq)
+            self._cond.notify_all()
+        work.done.wait()
+        if work.error is not None:
+            raise work.error
+        assert work.logits is not None
+        return work.logits
+
+    def leave(self, seq: int) -> None:
+        """Slot `seq` does something else before its next hand-in: do not wait for it."""
+        with self._cond:
+            if seq in self._stepping:
+                self._stepping.discard(seq)
+                self._cond.notify_all()
+
+    def blob(self, seq: int) -> bytearray:
+        """Sequence `seq`'s state blob, a copy."""
+        with self._lock:
+            return bytearray(self._ctx.read_state(seq))
+
+    def state(self, seq: int) -> SeqState:
+        fp = self.adapter.fingerprint
+        return parse_seq_state(memoryview(self.blob(seq)), n_layer=fp.n_layer,
+                               n_embd_k=fp.n_embd_k, n_embd_v=fp.n_embd_v)
+
+    def write(self, seq: int, blob: bytearray) -> None:
+        with self._lock:
+            self._ctx.write_state(seq, blob)
+
+    def remove(self, seq: int) -> None:
+        with self._lock:
+            self._ctx.remove(seq)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def stats(self) -> dict[str, float]:
+        """Steps decoded, tokens decoded, the most sequences one step held."""
+        return {"steps": self.steps, "tokens": self.tokens,
+                "max_sequences": self.max_sequences}
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(30)
+        with self._lock:
+            self._ctx.close()
+
+    # -- the batching thread -------------------------------------------------------------
+
+    def _gather(self) -> list[_Work] | None:
+        """Wait for work, then for the stepping slots (up to `gather_s`); None once closed."""
+        with self._cond:
+            while not self._pending and not self._closed:
+                self._cond.wait()
+            if self._closed:
+                return None
+            deadline = time.perf_counter() + self.gather_s
+            while (self._stepping - self._pending.keys()
+                   and (left := deadline - time.perf_counter()) > 0):
+                self._cond.wait(left)
+            return sorted(self._pending.values(), key=lambda w: (len(w.tokens) > 1, w.order))
+
+    def _plan(self, work: list[_Work]) -> tuple[list[BatchItem], list[tuple[_Work, int]]]:
+        """One step's batch: every decode token, then prompts' next pieces in arrival order,
+        up to `max_batch` tokens in all (at least one piece); (work, tokens taken) each."""
+        items: list[BatchItem] = []
+        taken: list[tuple[_Work, int]] = []
+        for w in work:
+            room = self.max_batch - len(items)
+            if room <= 0:
+                break
+            n = min(len(w.tokens) - w.sent, room)
+            last = w.sent + n == len(w.tokens)
+            items += [(t, w.pos + w.sent + i, w.seq, last and i == n - 1)
+                      for i, t in enumerate(w.tokens[w.sent : w.sent + n])]
+            taken.append((w, n))
+        return items, taken
+
+    def _loop(self) -> None:
+        while (work := self._gather()) is not None:
+            items, taken = self._plan(work)
+            try:
+                with self._lock:
+                    logits = self._ctx.decode(items)
+            except BaseException as e:  # noqa: BLE001 - handed to the slots that waited
+                with self._cond:
+                    for w, _ in taken:
+                        self._pending.pop(w.seq, None)
+                        w.error = e if isinstance(e, EngineError) else EngineError(
+                            f"batched decode failed: {e}")
+                        w.done.set()
+                continue
+            self.steps += 1
+            self.tokens += len(items)
+            self.max_sequences = max(self.max_sequences, len(taken))
+            out = iter(logits)
+            with self._cond:
+                for w, n in taken:
+                    w.sent += n
+                    if w.sent == len(w.tokens):
+                        w.logits = next(out)
+                        self._pending.pop(w.seq, None)
+                        self._stepping.add(w.seq)
+                        w.done.set()
+        with self._cond:  # closed: nobody waits forever
+            for w in self._pending.values():
+                w.error = EngineError("the slot pool closed")
+                w.done.set()
+            self._pending.clear()
+
+
+class Slot:
+    """One sequence of a `SlotPool`, as a `KVAdapter`: what `LlamaCppAdapter` does for its one
+    sequence, on sequence `seq` of the pool's context. Tokenizing, templates and grammars are
+    the model's, from the pool's adapter."""
+
+    def __init__(self, pool: SlotPool, seq: int) -> None:
+        base = pool.adapter
+        self.pool, self.seq, self._base = pool, seq, base
+        self.fingerprint, self.window = base.fingerprint, base.window
+        self.weight_bytes, self.n_threads = base.weight_bytes, base.n_threads
+        self.counters = EngineCounters()
+        self._ids: list[int] = []
+
+    # -- the model's, shared ---------------------------------------------------------------
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self._ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return list(self._ids)
+
+    @property
+    def n_ctx(self) -> int:
+        return self._base.n_ctx
+
+    @property
+    def eos_token(self) -> int:
+        return self._base.eos_token
+
+    @property
+    def n_vocab(self) -> int:
+        return self._base.n_vocab
+
+    def build_info(self) -> str:
+        return f"{self._base.build_info()} slot={self.seq}/{self.pool.n_seq}"
+
+    def chat_template(self) -> str | None:
+        return self._base.chat_template()
+
+    def tokenize(self, text: str, *, add_bos: bool = True, special: bool = True) -> list[int]:
+        return self._base.tokenize(text, add_bos=add_bos, special=special)
+
+    def control_tokens(self) -> dict[str, int]:
+        return self._base.control_tokens()
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return self._base.detokenize(tokens)
+
+    def token_bytes(self, token: int) -> bytes:
+        return self._base.token_bytes(token)
+
+    def grammar_constraint(self, grammar: Grammar) -> Constraint:
+        return self._base.grammar_constraint(grammar)
+
+    # -- the sequence ----------------------------------------------------------------------
+
+    def clear_kv_cache(self) -> None:
+        self.pool.leave(self.seq)
+        self.pool.remove(self.seq)
+        self._ids = []
+
+    def prefill(self, tokens: Sequence[int], *, align: int) -> np.ndarray:
+        check_prefill(self.n_tokens, len(tokens), self.n_ctx)
+        toks, base = list(tokens), self.n_tokens
+        logits: np.ndarray | None = None
+        for lo, hi in aligned_batches(base, len(toks), align):
+            logits = self.pool.decode(self.seq, toks[lo - base : hi - base], lo)
+            self._ids += toks[lo - base : hi - base]
+            self.counters.add_batch(lo, hi)
+        assert logits is not None
+        return logits
+
+    def generate(self, logits: np.ndarray, max_tokens: int, *, temperature: float = 0.0,
+                 seed: int = 0, keep_logits: bool = False, top_p: float = 1.0,
+                 on_token: TokenCallback | None = None,
+                 constraint: Constraint | None = None) -> Generation:
+        try:
+            return sample_loop(self, logits, max_tokens, temperature=temperature, seed=seed,
+                               keep_logits=keep_logits, top_p=top_p, on_token=on_token,
+                               constraint=constraint)
+        finally:
+            self.pool.leave(self.seq)
+
+    def read_state(self) -> SeqState:
+        self.pool.leave(self.seq)
+        state = self.pool.state(self.seq)
+        if state.n_tokens != self.n_tokens:
+            raise UnsupportedLayout(f"slot {self.seq} holds {state.n_tokens} cells for "
+                                    f"{self.n_tokens} evaluated tokens")
+        return state
+
+    def extract_fragments(self, specs: Sequence[FragmentSpec]) -> list[KVFragment]:
+        if not specs:
+            return []
+        return build_fragments(specs, self.fingerprint, self._ids, self.read_state().layer_kv)
+
+    def inject_fragments(self, fragments: Sequence[KVFragment], limit: int | None = None) -> int:
+        n = injection_length(fragments, self.fingerprint, limit, self.window)
+        if n > self.n_ctx:
+            raise IncompatibleFragment(f"prefix of {n} tokens exceeds the context ({self.n_ctx})")
+        return self._restore(fragments, n)
+
+    def append_fragments(self, fragments: Sequence[KVFragment]) -> int:
+        held = self.n_tokens
+        end = append_length(fragments, self.fingerprint, held, self.n_ctx)
+        if not held:
+            return self.inject_fragments(fragments)
+        old, ids = self.pool.blob(self.seq), self.token_ids
+        try:
+            return self._restore(fragments, end, keep=self.read_state())
+        except EngineError:  # refused: what the slot held is put back
+            self.pool.write(self.seq, old)
+            self._ids = ids
+            raise
+
+    def close(self) -> None:
+        """The pool owns the context (`SlotPool.close`); a slot only lets its cells go."""
+        if not self.pool.closed:
+            self.clear_kv_cache()
+
+    def _restore(self, blocks: Sequence[CellBlock], n: int, *,
+                 keep: SeqState | None = None) -> int:
+        """`LlamaCppAdapter.restore_cells` for this sequence: the blob is assembled by the
+        model's adapter (it knows the V layout), written into this sequence's stream."""
+        self.pool.leave(self.seq)
+        blob, ids = self._base.assemble_cells(
+            blocks, n, keep=keep, keep_ids=self._ids if keep is not None else None,
+            seq_id=self.seq, n_stream=self.pool.n_seq)
+        self._ids = []
+        self.pool.write(self.seq, blob)  # refused: the sequence is left empty
+        self._ids = [int(t) for t in ids]
+        return n

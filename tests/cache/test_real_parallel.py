@@ -1,0 +1,118 @@
+"""Several requests at once on the real engine (`--parallel`): slots of one llama.cpp context,
+their prefill and decode tokens batched together, give each request the answer a plain
+llama-cpp-python run with no cache gives it alone, bit for bit, cold and warm."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from edgekv import CacheConfig, EdgeKV, open_store
+from edgekv.engines.models import default_model_path
+from edgekv.parallel import open_slots
+
+from ..conftest import real_stack
+
+real_stack("real engine", "llama_cpp", check=default_model_path)
+
+from edgekv.engines.llamacpp import LlamaCppAdapter  # noqa: E402
+
+from .test_real_granularity import chat, need_token_granularity, plain  # noqa: E402, F401
+
+MODEL = default_model_path()
+pytestmark = pytest.mark.real
+QUESTIONS = ("How many devices can one hub hold?", "What does an orange ring mean?",
+             "How do I reset the hub?", "Which app pairs a sensor, and how long does it take?")
+
+
+@pytest.fixture(scope="module")
+def adapter():
+    a = LlamaCppAdapter(MODEL, n_ctx=2048)
+    yield a
+    a.close()
+
+
+@pytest.fixture
+def kv(adapter, tmp_path):
+    cfg = CacheConfig(cache_dir=tmp_path)
+    k = EdgeKV(adapter, open_store(cfg), cfg)
+    yield k
+    k.close()
+
+
+def at_once(kv: EdgeKV, sequences, prompts: list[list[int]], max_tokens: int):
+    """Every prompt on its own slot and thread, all started together."""
+    out: list[object] = [None] * len(prompts)
+    start = threading.Barrier(len(prompts))
+
+    def run(i: int) -> None:
+        start.wait()
+        out[i] = kv.generate(prompts[i], max_tokens=max_tokens, sequence=sequences[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    assert all(r is not None for r in out), "a generation did not finish"
+    return out
+
+
+def test_batched_requests_equal_plain_llama_cpp_cold_and_warm(kv, adapter, plain):
+    need_token_granularity(kv)
+    slots = open_slots(kv, 4)
+    try:
+        assert slots.count == 4 and slots.sequences, slots.reason
+        prompts = [adapter.tokenize(chat(adapter, [("user", q)])) for q in QUESTIONS]
+        cold = at_once(kv, slots.sequences, prompts, 16)
+        batched = slots.stats()
+        # the four were computed together: some step held several sequences' tokens
+        assert batched["max_sequences"] >= 2 and batched["steps"] < sum(
+            len(r.tokens) for r in cold)
+        warm = at_once(kv, slots.sequences, prompts, 16)
+        for p, c, w in zip(prompts, cold, warm, strict=True):
+            first, out = plain(p, 16)
+            assert list(c.tokens) == out and np.array_equal(c.first_logits, first)
+            assert list(w.tokens) == out and np.array_equal(w.first_logits, first)
+            assert w.cached_tokens > 128  # the shared manual, at least, came from the cache
+    finally:
+        slots.close()
+
+
+def test_a_slot_extracts_and_injects_its_own_sequence_only(kv, adapter):
+    """Fragments read from one slot restore into another slot and continue exactly as the
+    first, while a third slot's sequence is left as it was."""
+    need_token_granularity(kv)
+    slots = open_slots(kv, 3)
+    try:
+        a, b, c = slots.sequences
+        toks = adapter.tokenize(chat(adapter, [("user", QUESTIONS[0])]))
+        for s in (a, b, c):
+            s.clear_kv_cache()
+        c.prefill(toks[:40], align=adapter.n_ctx)
+        a.prefill(toks[:-1], align=adapter.n_ctx)
+        from edgekv.engines.base import FragmentSpec
+
+        frags = a.extract_fragments([FragmentSpec("p", 0, 64, 0, None, parent_key="")])
+        assert b.inject_fragments(frags) == 64 and b.token_ids == toks[:64]
+        want = a.prefill(toks[-1:], align=adapter.n_ctx)
+        got = b.prefill(toks[64:], align=adapter.n_ctx)
+        assert np.array_equal(want, got)
+        assert c.n_tokens == 40 and c.read_state().n_tokens == 40
+    finally:
+        slots.close()
+
+
+def test_where_batching_is_not_exact_requests_run_one_at_a_time(adapter, tmp_path):
+    cfg = CacheConfig(cache_dir=tmp_path, reuse_granularity="chunk")
+    kv = EdgeKV(adapter, open_store(cfg), cfg)
+    try:
+        slots = open_slots(kv, 4)
+        assert slots.sequences == () and slots.count == 1
+        assert "whole chunks" in slots.reason
+        assert slots.as_dict() == {"requested": 4, "slots": 1, "batched": False,
+                                   "reason": slots.reason}
+    finally:
+        kv.close()
