@@ -54,6 +54,7 @@ def test_a_run_summary_pools_inter_token_gaps_and_counts_tokens_over_wall_time()
     assert m["requests"] == 3 and m["failed"] == 1
     assert m["ttft_ms_mean"] == 200.0 and m["ttft_ms_p95"] == 300.0  # of the two that answered
     assert m["itl_ms_mean"] == 20.0 and m["itl_ms_p95"] == 30.0  # 10, 20, 30 ms pooled
+    assert m["itl_ms_max"] == 30.0
     assert m["throughput_tok_s"] == 10.0  # 5 tokens / 0.5 s; the failed one adds none
     assert m["errors"] == ["APIConnectionError: gone"]
     assert summarize([reply("", error="x")], 1.0)["ttft_ms_p95"] is None  # nothing made up
@@ -337,6 +338,8 @@ def test_tables_show_each_workload_the_ratios_and_the_settings():
     text = tables(res)
     assert "Workload `chat`" in text and "100.0 / 100.0 / 100.0" in text and "100%" in text
     assert "0.8" in text and '{"slots": 4}' in text
+    res["health"] = {"edgekv_parallel": {"status": "ok"}}  # no parallel object: "-", as is
+    assert '"-"' not in tables(res)
 
 
 FAKE_LLAMA_SERVER = '''\

@@ -124,6 +124,8 @@ def summarize(rows: Sequence[Reply], wall_s: float) -> dict[str, Any]:
         "ttft_ms_p95": round(percentile(ttft, 0.95), 1) if ttft else None,
         "itl_ms_mean": round(statistics.fmean(itl), 2) if itl else None,
         "itl_ms_p95": round(percentile(itl, 0.95), 2) if itl else None,
+        # the longest gap: a decode held up while another request's prefill ran
+        "itl_ms_max": round(max(itl), 2) if itl else None,
         "throughput_tok_s": round(tokens / wall_s, 2) if wall_s > 0 else None,
         "e2e_ms_mean": round(statistics.fmean(r.total_s * 1000 for r in ok), 1) if ok else None,
         "wall_s": round(wall_s, 3), "completion_tokens": tokens,

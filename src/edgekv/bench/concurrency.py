@@ -74,8 +74,9 @@ METHOD = (
     "earlier answers; docs: one deployment document per user), rendered once with the GGUF "
     "chat template, sent to /v1/completions streamed with include_usage, greedy (temperature "
     "0; llama-server also repeat_penalty 1, top_k 1); TTFT = first text chunk; ITL = time "
-    "between successive text chunks, pooled over a run's requests; throughput = completion "
-    "tokens (usage) / the run's wall time (all clients ready to last reply); percentiles "
+    "between successive text chunks, pooled over a run's requests (itl_ms_max: the longest); "
+    "throughput = completion tokens (usage) / the run's wall time (all clients ready to last "
+    "reply); percentiles "
     "nearest-rank; agreement_own_cache_off = share of requests whose text equals the same "
     "server's cache-off run at the same concurrency (null for a cache-off run itself); "
     "agreement_own_cache_off_c1 = that cache-off run against itself at concurrency 1; "
@@ -371,12 +372,12 @@ def tables(res: dict[str, Any]) -> str:
     for w in res["workloads"]:
         rows = [[r["server"], r["concurrency"],
                  " / ".join(num(r[k]) for k in ("ttft_ms_mean", "ttft_ms_p50", "ttft_ms_p95")),
-                 f"{num(r['itl_ms_mean'])} / {num(r['itl_ms_p95'])}",
+                 f"{num(r['itl_ms_mean'])} / {num(r['itl_ms_p95'])} / {num(r['itl_ms_max'])}",
                  num(r["throughput_tok_s"]), pct(r["agreement_own_cache_off"]),
                  pct(r["agreement_own_cache_off_c1"]), r["failed"]]
                 for r in res["rows"] if r["workload"] == w]
         parts.append(f"Workload `{w}`, {res['requests']} requests per run:\n\n" + table(
-            ["server", "concurrency", "TTFT mean / p50 / p95 ms", "ITL mean / p95 ms",
+            ["server", "concurrency", "TTFT mean / p50 / p95 ms", "ITL mean / p95 / max ms",
              "tokens/s", "= own cache-off", "own cache-off = its c=1", "failed"], rows))
     if res["ratios"]:
         parts.append("EdgeKV over llama-server (goal at concurrency 4: TTFT p95 <= 1, "
@@ -388,7 +389,7 @@ def tables(res: dict[str, Any]) -> str:
                           for r in res["ratios"]]))
     settings = [[n, *(res["resolved"].get(n, {}).get(k) or "-" for k in
                       ("flash_attn", "n_slots", "prompt_cache", "threads")),
-                 json.dumps(_get(res["health"].get(n), "parallel"))]
+                 _parallel(res["health"].get(n))]
                 for n in res["servers"]]
     parts.append("Resolved settings, from each server's own log and /health:\n\n" + table(
         ["server", "flash attention", "slots", "prompt cache", "threads", "/health parallel"],
@@ -396,8 +397,10 @@ def tables(res: dict[str, Any]) -> str:
     return "\n\n".join(parts)
 
 
-def _get(obj: Any, key: str) -> Any:
-    return obj.get(key, "-") if isinstance(obj, dict) else "-"
+def _parallel(health: Any) -> str:
+    """The `parallel` object of a server's /health, where it has one."""
+    got = health.get("parallel") if isinstance(health, dict) else None
+    return "-" if got is None else json.dumps(got)
 
 
 def run_cli(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
