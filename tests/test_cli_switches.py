@@ -23,6 +23,9 @@ from edgekv.cli import build_parser, main
     (["serve", "--kv-server", "http://127.0.0.1:9", "--kv-link", "fast"], "MBPS,RTT_MS"),
     (["serve", "--kv-server", "http://127.0.0.1:9", "--kv-link", "0,10"], "Mbit/s > 0"),
     (["serve", "--kv-server", "ftp://127.0.0.1:9"], "must look like http://HOST:PORT"),
+    (["serve", "--parallel", "0"], "--parallel 0: give 1 or more"),
+    (["serve", "--parallel", "2", "--passage-reuse"], "drop one of them"),
+    (["serve", "--parallel", "4", "--kv-server", "http://127.0.0.1:9"], "drop one of them"),
 ])
 def test_conflicting_or_incomplete_switches_are_refused(tmp_path, capsys, argv, message):
     (tmp_path / "kv-server.secret").write_text("00" * 32)  # where --kv-secret-file defaults
@@ -48,5 +51,6 @@ def test_every_switch_is_documented_in_help():
     text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()  # type: ignore[union-attr]
     for switch in ("--kv-server", "--kv-secret-file", "--kv-tenant", "--kv-link", "--semantic",
                    "--prefetch", "--passage-reuse", "--approximate", "documents",
-                   "X-EdgeKV-Tier", "edgekv_prefetch_hit_rate"):
+                   "X-EdgeKV-Tier", "edgekv_prefetch_hit_rate", "--parallel",
+                   "edgekv_batch_slots"):
         assert switch in text

@@ -60,7 +60,7 @@ def at_once(kv: EdgeKV, sequences, prompts: list[list[int]], max_tokens: int):
     return out
 
 
-def test_batched_requests_equal_plain_llama_cpp_cold_and_warm(kv, adapter, plain):
+def test_batched_requests_equal_plain_llama_cpp_cold_and_warm(kv, adapter, plain):  # noqa: F811
     need_token_granularity(kv)
     slots = open_slots(kv, 4)
     try:

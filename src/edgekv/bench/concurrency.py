@@ -139,9 +139,12 @@ class Setup:
                                   "llama-server` or pass --llama-server (or leave it out of "
                                   "--servers)")
             return got
+        # EdgeKV's --n-ctx is each sequence's; with N slots each gets an N-th of the context,
+        # as llama-server's slots share its -c
+        n = self.parallel if slots == "N" else 1
         cmd = [sys.executable, "-m", "edgekv", "serve", "--model", self.model, "--n-ctx",
-               str(self.n_ctx), "--port", "{port}", "--cache-dir", str(cache_dir), "--threads",
-               str(self.threads), "--parallel", str(self.parallel if slots == "N" else 1)]
+               str(self.n_ctx // n), "--port", "{port}", "--cache-dir", str(cache_dir),
+               "--threads", str(self.threads), "--parallel", str(n)]
         if self.max_queue is not None:
             cmd += ["--max-queue", str(self.max_queue)]
         return (cmd if cache else cmd + ["--no-cache"]), "/health"
