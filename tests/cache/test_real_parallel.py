@@ -65,7 +65,12 @@ def test_batched_requests_equal_plain_llama_cpp_cold_and_warm(kv, adapter, plain
     slots = open_slots(kv, 4)
     try:
         assert slots.count == 4 and slots.sequences, slots.reason
-        prompts = [adapter.tokenize(chat(adapter, [("user", q)])) for q in QUESTIONS]
+        # three on the manual (~640 tokens) and one short prompt: batched with the long ones,
+        # the short one's attention spans 768 cells (the longest stream, padded) instead of
+        # 256 alone, and must still give the same numbers
+        prompts = [adapter.tokenize(chat(adapter, [("user", q)])) for q in QUESTIONS[:3]]
+        prompts.append(adapter.tokenize("Q: What is the capital of France?\nA:"))
+        assert len(prompts[-1]) < 256 < len(prompts[0])
         cold = at_once(kv, slots.sequences, prompts, 16)
         batched = slots.stats()
         # the four were computed together: some step held several sequences' tokens
@@ -76,7 +81,8 @@ def test_batched_requests_equal_plain_llama_cpp_cold_and_warm(kv, adapter, plain
             first, out = plain(p, 16)
             assert list(c.tokens) == out and np.array_equal(c.first_logits, first)
             assert list(w.tokens) == out and np.array_equal(w.first_logits, first)
-            assert w.cached_tokens > 128  # the shared manual, at least, came from the cache
+            if len(p) > 256:  # the manual, at least, came from the cache
+                assert w.cached_tokens > 128
     finally:
         slots.close()
 
