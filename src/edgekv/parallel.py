@@ -16,6 +16,9 @@ run computes; both are what the batch-invariance probe measures, so slots are us
 
 Where any fails, `Slots.sequences` is empty, `reason` says which, and the server runs one
 request at a time and says so in `/health` and `/metrics`.
+
+Speed: build the EdgeKV (model load and probe) on a thread that has ended before the slots
+compute, as `edgekv serve` does (see `engines.llamacpp_slots`: OpenMP teams).
 """
 
 from __future__ import annotations
