@@ -71,8 +71,10 @@ def test_bench_options_keep_their_names_and_defaults():
     p = build_parser()
     a = p.parse_args(["bench", "serve", "--servers", "edgekv", "--requests", "24",
                       "--threads", "1"])
+    # --n-ctx unset: 2048 one request at a time, enough for every sequence with --concurrency
+    # (resolved by the bench, bench/serve.run_cli)
     assert (a.bench, a.servers, a.requests, a.threads, a.max_tokens, a.n_ctx) == \
-        ("serve", "edgekv", 24, 1, 48, 2048)
+        ("serve", "edgekv", 24, 1, 48, None)
     a = p.parse_args(["bench", "seed", "--workload", "chat", "--modes", "plain,edgekv_strict"])
     assert (a.workload, a.modes, a.requests, a.seed, a.engine) == \
         ("chat", "plain,edgekv_strict", None, 0, "llamacpp")

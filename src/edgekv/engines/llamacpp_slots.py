@@ -29,13 +29,13 @@ How, and why it stays exact:
 - Every computation of the pool runs on its one thread, so one OpenMP team does the work. Keep
   it the only one: a thread that computed earlier (the one that loaded the model and ran the
   probe) keeps its own idle team while it lives, libgomp then counts more threads than cores
-  and cuts every barrier's spinning short; a decode step took 39 ms instead of 10.6 on 2
-  cores. `edgekv serve` loads on a thread that ends with the load.
+  and cuts every barrier's spinning short: a one-sequence step took 31.0 ms instead of 11.05
+  on 2 cores (docs/bench/slots-step.json, `scripts/slots_step_bench.py`). `edgekv serve`
+  loads on a thread that ends with the load.
 - What batching buys on EdgeKV's exact build (llamafile off, so each weight row's dot products
-  are computed per token, the same whatever the batch): measured on 2 cores with SmolLM2, a
-  step of 1, 2, 4, 8 sequences took 12.2, 21.7, 42.1, 72.5 ms. Decode throughput grows 1.1-1.4x;
-  the gain is in waiting: a request's prompt is computed beside the others' decoding instead of
-  after their whole answers.
+  are computed per token, the same whatever the batch): a step of 1, 2, 4, 8 sequences took
+  11.69, 19.02, 32.15, 82.62 ms (the same JSON). The gain is mostly in waiting: a request's
+  prompt is computed beside the others' decoding instead of after their whole answers.
 """
 
 from __future__ import annotations
