@@ -44,6 +44,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from . import concurrency
+from .clients import stream_one
 from .options import (
     Subparsers,
     bench_parser,
@@ -53,7 +54,7 @@ from .options import (
     stock_python_path,
 )
 from .report import table, write_json
-from .servers import SERVERS, Server, free_port, greedy_extra, resolved_settings, server_command
+from .servers import SERVERS, Server, free_port, resolved_settings, server_command
 from .workload import ChatHistory, chat_workload, render
 
 __all__ = ["SERVERS", "Server", "add_parser", "free_port", "run_cli", "run_serve_bench",
@@ -74,26 +75,9 @@ class Answer:
 
 def _ask(client: Any, system: str, prompt: str, max_tokens: int,
          after_restart: bool) -> Answer:
-    t0 = time.perf_counter()
-    ttft = None
-    parts: list[str] = []
-    usage = None
-    stream = client.completions.create(
-        model="default" if system == "edgekv" else "model", prompt=prompt,
-        max_tokens=max_tokens, temperature=0.0, stream=True,
-        stream_options={"include_usage": True}, extra_body=greedy_extra(system))
-    for chunk in stream:
-        if chunk.choices and chunk.choices[0].text:
-            if ttft is None:
-                ttft = time.perf_counter() - t0
-            parts.append(chunk.choices[0].text)
-        if getattr(chunk, "usage", None) is not None:
-            usage = chunk.usage
-    total = time.perf_counter() - t0
-    details = getattr(usage, "prompt_tokens_details", None) if usage else None
-    cached = int(getattr(details, "cached_tokens", 0) or 0) if details else 0
-    return Answer("".join(parts), total if ttft is None else ttft, total,
-                  int(usage.prompt_tokens) if usage else 0, cached, after_restart)
+    """One greedy streamed completion (`clients.stream_one`, as the concurrency bench asks)."""
+    r = stream_one(client, system, prompt, max_tokens)
+    return Answer(r.text, r.ttft_s, r.total_s, r.prompt_tokens, r.cached_tokens, after_restart)
 
 
 def _pct(xs: list[float], q: float) -> float:
