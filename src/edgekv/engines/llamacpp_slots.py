@@ -55,6 +55,7 @@ from .base import EngineCounters, FragmentSpec, Generation, TokenCallback
 from .constraint import Constraint, Grammar
 from .llamacpp_state import CellBlock, SeqState, parse_seq_state
 from .shared import (
+    SequenceAdapter,
     aligned_batches,
     append_length,
     build_fragments,
@@ -239,7 +240,7 @@ class SlotPool:
             self._pending.clear()
 
 
-class Slot:
+class Slot(SequenceAdapter):
     """One sequence of a `SlotPool`, as a `KVAdapter`: what `LlamaCppAdapter` does for its one
     sequence, on sequence `seq` of the pool's context. Tokenizing, templates and grammars are
     the model's, from the pool's adapter."""
@@ -250,21 +251,10 @@ class Slot:
         self.fingerprint, self.window = base.fingerprint, base.window
         self.weight_bytes, self.n_threads = base.weight_bytes, base.n_threads
         self.counters = EngineCounters()
-        self._ids: list[int] = []
+        self._ids: list[int] = []  # SequenceAdapter's token list: n_tokens, token_ids
+        self._n_ctx = base.n_ctx
 
     # -- the model's, shared ---------------------------------------------------------------
-
-    @property
-    def n_tokens(self) -> int:
-        return len(self._ids)
-
-    @property
-    def token_ids(self) -> list[int]:
-        return list(self._ids)
-
-    @property
-    def n_ctx(self) -> int:
-        return self._base.n_ctx
 
     @property
     def eos_token(self) -> int:
