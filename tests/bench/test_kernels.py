@@ -34,9 +34,31 @@ def test_unknown_builds_and_missing_tools_are_refused(tmp_path):
 
 
 def test_a_build_whose_libraries_are_missing_is_named(tmp_path):
-    with pytest.raises(EdgeKVError, match="stock-lib"):
-        kernels.run_kernels_bench(models=("smollm2-q4_1",), builds=("stock",), runs=1,
+    with pytest.raises(EdgeKVError, match="edgekv-before-lib"):
+        kernels.run_kernels_bench(models=("smollm2-q4_1",), builds=("edgekv_before",), runs=1,
                                   prompts=1, cache_dir=tmp_path, root=tmp_path)
+
+
+def test_every_build_sets_the_invariant_switch_itself(tmp_path):
+    """EdgeKV turns GGML_CPU_BATCH_INVARIANT on where the environment is silent, so each row
+    says it: on for edgekv only. Without the stock wheel the stock rows run the .venv's
+    patched build with it off, and say so."""
+    builds = kernels.default_builds(tmp_path)
+    assert {b.name: b.env[kernels.INVARIANT] for b in builds.values()} == {
+        "stock": "0", "stock_fa": "0", "edgekv_before": "0", "edgekv": "1"}
+    assert builds["edgekv"].lib is None and builds["edgekv"].flash_attn
+    assert builds["stock"].lib is None and "make stock-lib" in builds["stock"].note
+
+
+def test_ratios_take_the_faster_stock_configuration_per_figure():
+    def row(build, p512, dec):
+        return {"model": "m", "build": build, "prefill_tok_s_512": p512,
+                "prefill_tok_s_2048": None, "decode_tok_s": dec, "decode_tok_s_after_2048": None}
+
+    rows = [row("stock", 100.0, 60.0), row("stock_fa", 120.0, 50.0), row("edgekv", 114.0, 57.0)]
+    (r,) = kernels.stock_ratios(rows)
+    assert r["prefill_tok_s_512"] == 0.95 and r["decode_tok_s"] == 0.95
+    assert r["prefill_tok_s_2048"] is None
 
 
 def test_the_table_marks_a_reduced_run():

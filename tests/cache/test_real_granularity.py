@@ -37,9 +37,11 @@ def adapter():
 
 @pytest.fixture(scope="module")
 def plain(adapter):
-    """Plain llama-cpp-python, no cache, its default batching: what a user runs."""
+    """Plain llama-cpp-python, no cache, its default batching: what a user runs, with the
+    engine's attention path (flash attention on the batch-invariant build, EdgeKV's default)."""
     llm = llama_cpp.Llama(str(MODEL), n_ctx=2048, n_threads=adapter.n_threads,
-                          n_threads_batch=adapter.n_threads, verbose=False)
+                          n_threads_batch=adapter.n_threads, verbose=False,
+                          flash_attn=adapter.flash_attn)
 
     def run(tokens: list[int], max_tokens: int) -> tuple[np.ndarray, list[int]]:
         llm.reset()

@@ -10,8 +10,9 @@ Rows (JSON contract, keys stable): `{"rows": [{"model", "weights", "build", "fla
 - `stock_fa`: the same with flash attention on;
 - `edgekv_before`: EdgeKV's build before the patch series (this CPU's flags, llamafile off),
   flash attention off;
-- `edgekv`: the patched build (`make patched-lib`, patches/llama.cpp) with its
-  batch-invariant kernels on (GGML_CPU_BATCH_INVARIANT=1) and flash attention on.
+- `edgekv`: the build `make setup` makes (patches/llama.cpp, llamafile on), the .venv's own
+  llama-cpp-python, with its batch-invariant kernels on (GGML_CPU_BATCH_INVARIANT=1) and flash
+  attention on: EdgeKV's defaults.
 
 Every build runs in its own process (`kernels_worker.py`, LLAMA_CPP_LIB_PATH set to the build's
 libraries), so no two builds' kernels share a process. The contract's speeds come from that one
@@ -47,6 +48,7 @@ BUILDS = ("stock", "stock_fa", "edgekv_before", "edgekv")
 # model quality, is what these rows compare
 REQUANT = ("Q8_0", "Q4_0")
 MODELS = ("smollm2-q4_1", "smollm2-q8_0", "smollm2-q4_0", "gemma3-q4_k_m")
+INVARIANT = "GGML_CPU_BATCH_INVARIANT"
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,28 +62,30 @@ class Build:
 
 
 def default_builds(root: Path = Path(".")) -> dict[str, Build]:
-    """Where `make` puts each build (build/stock-lib, build/edgekv-before-lib,
-    build/patched-lib, build/llama-server/bin/llama-bench, build/patched-tools).
+    """Where `make` puts each build: build/stock-lib (`make stock-lib`), build/edgekv-before-lib
+    (`make edgekv-before-lib`), the .venv's own llama-cpp-python (`make setup`: EdgeKV's
+    patched engine) and build/llama-server/bin/llama-bench (`make llama-server`).
 
     Where the stock wheel is not built (`make stock-lib` takes 5-10 minutes on 2 idle cores),
-    the stock rows run on the patched libraries with every switch unset: each patch is gated on
-    its switch, so those are the stock kernels, compiled with the same (default) CMake options;
-    the row says so in `note`."""
-    stock_lib = root / "build/stock-lib"
+    the stock rows run on the .venv's patched libraries with the batch-invariant mode off: each
+    patch is gated on its switch, so those are the stock kernels, compiled with this CPU's
+    flags; the row says so in `note`. Every row sets GGML_CPU_BATCH_INVARIANT itself (EdgeKV
+    turns it on where the environment does not say)."""
+    stock_lib: Path | None = root / "build/stock-lib"
     note = ""
-    if not (stock_lib / "libllama.so").exists() and (root / "build/patched-lib").is_dir():
-        stock_lib = root / "build/patched-lib"
-        note = ("stock kernels from build/patched-lib with every switch unset (the stock "
-                "wheel, make stock-lib, was not built)")
+    if stock_lib is not None and not (stock_lib / "libllama.so").exists():
+        stock_lib = None
+        note = ("stock kernels from the .venv's patched build with GGML_CPU_BATCH_INVARIANT=0 "
+                "(the stock wheel, make stock-lib, was not built)")
     bench = next((p for p in (root / "build/llama-server/bin/llama-bench",
                               root / "build/stock/bin/llama-bench") if p.is_file()), None)
     patched_bench = root / "build/patched-tools/bin/llama-bench"
-    inv = {"GGML_CPU_BATCH_INVARIANT": "1"}
+    off, on = {INVARIANT: "0"}, {INVARIANT: "1"}
     return {
-        "stock": Build("stock", stock_lib, False, {}, bench, note),
-        "stock_fa": Build("stock_fa", stock_lib, True, {}, bench, note),
-        "edgekv_before": Build("edgekv_before", root / "build/edgekv-before-lib", False),
-        "edgekv": Build("edgekv", root / "build/patched-lib", True, inv,
+        "stock": Build("stock", stock_lib, False, off, bench, note),
+        "stock_fa": Build("stock_fa", stock_lib, True, off, bench, note),
+        "edgekv_before": Build("edgekv_before", root / "build/edgekv-before-lib", False, off),
+        "edgekv": Build("edgekv", None, True, on,
                         patched_bench if patched_bench.exists() else None),
     }
 
@@ -181,7 +185,7 @@ def run_kernels_bench(models: Sequence[str] = MODELS, builds: Sequence[str] = BU
     for b in chosen:
         if b.lib is not None and not (b.lib / "libllama.so").exists():
             raise EdgeKVError(f"build {b.name}: {b.lib}/libllama.so is missing (see the "
-                              "Makefile: stock-lib, edgekv-before-lib, patched-lib)")
+                              "Makefile: stock-lib, edgekv-before-lib)")
     paths = model_paths(cache_dir, llama_quantize or root / "build/llama-server/bin/llama-quantize",
                         models)
     cells = [(m, b) for m in models for b in chosen]
@@ -210,6 +214,7 @@ def run_kernels_bench(models: Sequence[str] = MODELS, builds: Sequence[str] = BU
         p512, p512s = _stat([512 / x["prefill_512_s"] for x in s])
         p2k, p2ks = _stat([2048 / x["prefill_2048_s"] for x in s])
         dec, decs = _stat([32 / x["decode_s"] for x in s])
+        dec2k, dec2ks = _stat([32 / x["decode_2048_s"] for x in s if "decode_2048_s" in x])
         div = q["first_divergence"]
         row: dict[str, Any] = {
             "model": m, "weights": paths[m][1], "build": b.name, "flash_attn": b.flash_attn,
@@ -217,7 +222,8 @@ def run_kernels_bench(models: Sequence[str] = MODELS, builds: Sequence[str] = BU
             "probe_identical": q["probe"]["identical"], "probe_total": q["probe"]["total"],
             "first_divergence_mean": round(sum(div) / len(div), 2),
             "prefill_tok_s_512_spread": p512s, "prefill_tok_s_2048_spread": p2ks,
-            "decode_tok_s_spread": decs, "first_divergence": div,
+            "decode_tok_s_spread": decs, "decode_tok_s_after_2048": dec2k,
+            "decode_tok_s_after_2048_spread": dec2ks, "first_divergence": div,
             "probe_failed": q["probe"]["failed"], "probe_seconds": round(q["probe"]["seconds"], 1),
             "speed_source": "llama-cpp-python (kernels_worker)", "runs": len(s),
             "lib": str(b.lib) if b.lib else ".venv", "env": b.env, "build_info": q["build_info"],
@@ -228,7 +234,8 @@ def run_kernels_bench(models: Sequence[str] = MODELS, builds: Sequence[str] = BU
             row[f"llama_bench_{key}"], row[f"llama_bench_{key}_spread"] = _stat(
                 [x[key] for x in lb if key in x])
         rows.append(row)
-    return {"rows": rows, "runs": runs, "prompts": prompts, "threads": threads,
+    return {"rows": rows, "ratios": stock_ratios(rows), "runs": runs, "prompts": prompts,
+            "threads": threads,
             "models": list(models), "builds": list(builds), "seconds": round(time.time() - t0),
             "environment": environment()}
 
@@ -237,7 +244,8 @@ def kernels_table(res: dict[str, Any]) -> str:
     from .report import table
 
     head = ["model", "weights", "build", "FA", "prefill 512 tok/s", "prefill 2048 tok/s",
-            "decode tok/s", "llama-bench pp512 / pp2048 / tg32", "probe", "first divergence"]
+            "decode tok/s", "decode after 2048 tok/s", "llama-bench pp512 / pp2048 / tg32",
+            "probe", "first divergence"]
 
     def fmt(v: Any, spread: Any) -> str:
         return "-" if v is None else f"{v:g} ({spread[0]:g}-{spread[1]:g})"
@@ -249,7 +257,9 @@ def kernels_table(res: dict[str, Any]) -> str:
         body.append([r["model"], r["weights"], r["build"], "on" if r["flash_attn"] else "off",
                      fmt(r["prefill_tok_s_512"], r["prefill_tok_s_512_spread"]),
                      fmt(r["prefill_tok_s_2048"], r["prefill_tok_s_2048_spread"]),
-                     fmt(r["decode_tok_s"], r["decode_tok_s_spread"]), lb,
+                     fmt(r["decode_tok_s"], r["decode_tok_s_spread"]),
+                     fmt(r.get("decode_tok_s_after_2048"), r.get("decode_tok_s_after_2048_spread")),
+                     lb,
                      f"{r['probe_identical']}/{r['probe_total']}",
                      f"{r['first_divergence_mean']:g}"])
     note = (f"Medians over {res['runs']} interleaved rounds (min-max in brackets), "
@@ -262,7 +272,35 @@ def kernels_table(res: dict[str, Any]) -> str:
     notes = sorted({f"{r['build']}: {r['note']}" for r in res["rows"] if r.get("note")})
     if notes:
         note += " " + "; ".join(notes) + "."
-    return table(head, body) + "\n\n" + note
+    out = table(head, body) + "\n\n" + note
+    if res.get("ratios"):
+        out += "\n\n" + table(["model", "edgekv / fastest stock: prefill 512", "prefill 2048",
+                                "decode", "decode after 2048"],
+                               [[r["model"]] + ["-" if r[k] is None else f"{r[k]:.3f}x"
+                                                for k in RATIO_KEYS] for r in res["ratios"]])
+        out += ("\n\nEach ratio: the edgekv row's median over the faster of the stock and "
+                "stock_fa rows' medians for that figure.")
+    return out
+
+
+RATIO_KEYS = ("prefill_tok_s_512", "prefill_tok_s_2048", "decode_tok_s", "decode_tok_s_after_2048")
+
+
+def stock_ratios(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per model: the edgekv row's figures over the fastest stock configuration's (stock or
+    stock_fa, whichever is faster for that figure)."""
+    out = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = next((r for r in rows if r["model"] == model and r["build"] == "edgekv"), None)
+        stock = [r for r in rows if r["model"] == model and r["build"] in ("stock", "stock_fa")]
+        if mine is None or not stock:
+            continue
+        ratio: dict[str, Any] = {"model": model}
+        for k in RATIO_KEYS:
+            best = max((r[k] for r in stock if r.get(k)), default=None)
+            ratio[k] = round(mine[k] / best, 3) if best and mine.get(k) else None
+        out.append(ratio)
+    return out
 
 
 def run_cli(args: Any) -> tuple[dict[str, Any], str]:

@@ -7,8 +7,8 @@ JSON object on its last line of stdout.
 
 Tasks (SPEC_JSON's "tasks"):
 - "speed": one cold prefill of 512 and of 2,048 tokens (one batch each, like a plain user) and
-  the decode speed of 32 greedy tokens after a 16-token prompt (seconds; the orchestrator runs
-  this once per round and takes medians);
+  the decode speed of 32 greedy tokens after a 16-token prompt and after the 2,048-token one
+  (seconds; the orchestrator runs this once per round and takes medians);
 - "probe": the batch-invariance probe (`engines/probe.py`, every schedule);
 - "divergence": per prompt, 64 greedy tokens after the prompt fed as a reuse would feed it
   (its first 3/5 as one batch, standing for a cached prefix, then the rest) against the same
@@ -75,8 +75,11 @@ def _speed(adapter: Any) -> dict[str, float]:
         toks = probe_tokens(adapter, n)
         adapter.clear_kv_cache()
         t0 = time.perf_counter()
-        adapter.prefill(toks, align=adapter.n_ctx)
+        logits = adapter.prefill(toks, align=adapter.n_ctx)
         out[f"prefill_{n}_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()  # decode over a long context: attention reads 2,048+ cells a step
+    _greedy(adapter, logits, DECODE_TOKENS)
+    out["decode_2048_s"] = time.perf_counter() - t0
     toks = probe_tokens(adapter, DECODE_PROMPT)
     adapter.clear_kv_cache()
     logits = adapter.prefill(toks, align=adapter.n_ctx)
@@ -92,7 +95,7 @@ def main(argv: list[str]) -> int:
     from ..engines.llamacpp import LlamaCppAdapter
     from ..engines.probe import probe_batch_invariance
 
-    kwargs: dict[str, Any] = {"flash_attn": True} if spec.get("flash_attn") else {}
+    kwargs: dict[str, Any] = {"flash_attn": bool(spec.get("flash_attn"))}
     adapter = LlamaCppAdapter(spec["model"], n_ctx=int(spec.get("n_ctx", 2304)),
                               n_threads=spec.get("threads"), **kwargs)
     res: dict[str, Any] = {"build_info": adapter.build_info()}

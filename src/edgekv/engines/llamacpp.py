@@ -160,7 +160,17 @@ class SequenceContext:
         self.close()
 
 
+# EdgeKV's engine is llama.cpp with patches/llama.cpp applied (`make setup` builds it): with
+# GGML_CPU_BATCH_INVARIANT=1 its CPU kernels compute a token alike whatever batch it sits in,
+# with llamafile and flash attention on. ggml reads the switch once, when its CPU backend
+# starts, so it is set (unless the environment already says 0 or 1) before llama_cpp loads. A
+# library built without the patches ignores it.
+INVARIANT_ENV = "GGML_CPU_BATCH_INVARIANT"
+_CPU_BACKEND = ("libggml-cpu.so", "libggml-cpu.dylib", "ggml-cpu.dll")
+
+
 def _import_llama() -> Any:
+    os.environ.setdefault(INVARIANT_ENV, "1")
     try:
         import llama_cpp
     except ImportError as e:  # pragma: no cover - depends on the environment
@@ -170,16 +180,38 @@ def _import_llama() -> Any:
     return llama_cpp
 
 
+def batch_invariant_kernels(lib_dir: Path | None) -> bool:
+    """Whether the CPU backend in `lib_dir` carries the patch series' batch-invariant mode
+    (it exports `ggml_cpu_batch_invariant`) and the environment has it on."""
+    if os.environ.get(INVARIANT_ENV, "").strip() != "1" or lib_dir is None:
+        return False
+    for name in _CPU_BACKEND:
+        if (lib_dir / name).exists():
+            try:  # already loaded by llama_cpp: this only looks the symbol up
+                return hasattr(ctypes.CDLL(str(lib_dir / name)), "ggml_cpu_batch_invariant")
+            except OSError:
+                return False
+    return False
+
+
 class LlamaCppAdapter(ShiftableKV, WindowedKV, ModelFile):
     """One llama.cpp context over one model, holding one sequence (seq 0)."""
 
     def __init__(self, model_path: str | Path | None = None, *, n_ctx: int = 2048,
                  n_threads: int | None = None, memo_dir: Path | None = None,
                  **llama_kwargs: Any) -> None:
-        """`llama_kwargs` go to `llama_cpp.Llama` (e.g. `flash_attn=True`, `type_k=...`)."""
+        """`llama_kwargs` go to `llama_cpp.Llama` (e.g. `flash_attn=True`, `type_k=...`).
+
+        Flash attention is on by default where the library runs the batch-invariant kernels
+        (`batch_invariant_kernels`): they make it exact at any batch, and it is the faster
+        path; elsewhere it is off (stock flash attention sums a lone row in another order
+        than a batch's), unless `flash_attn` says otherwise."""
         self._lib = lib = _import_llama()
         self.model_path = resolve_model(model_path, memo_dir)
         self.n_threads = n_threads or os.cpu_count() or 1
+        self.batch_invariant = batch_invariant_kernels(self.library_path())
+        if llama_kwargs.get("flash_attn") is None:
+            llama_kwargs["flash_attn"] = self.batch_invariant
         try:
             self._llm = lib.Llama(
                 str(self.model_path), n_ctx=n_ctx, n_batch=2048, n_ubatch=512,
@@ -587,3 +619,12 @@ class LlamaCppAdapter(ShiftableKV, WindowedKV, ModelFile):
         LLAMA_CPP_LIB_PATH is not set), None if the package has no file."""
         f = getattr(self._lib, "__file__", None)
         return Path(f).parent / "lib" if f else None
+
+    def library_path(self) -> Path | None:
+        """The folder of the native libraries loaded: LLAMA_CPP_LIB_PATH, else the package's."""
+        folder = os.environ.get("LLAMA_CPP_LIB_PATH")
+        return Path(folder) if folder else self.library_dir()
+
+    @property
+    def flash_attn(self) -> bool:
+        return int(self._llm.context_params.flash_attn_type) != 0

@@ -31,17 +31,17 @@ log = logging.getLogger(__name__)
 
 def load_edgekv(model: str | Path | None, config: CacheConfig, *, n_ctx: int = 2048,
                 engine: str = "llamacpp", store_url: str | None = None,
-                n_threads: int | None = None, flash_attn: bool = False,
+                n_threads: int | None = None, flash_attn: bool | None = None,
                 semantic: bool = False, prefetch: bool = False,
                 fill: FillStep | None = None) -> EdgeKV:
     """The EdgeKV the server uses (`open_llamacpp`): RAM in front of the disk store, or of
     `store_url` (`redis://...` shares fragments between server processes); `semantic`,
     `prefetch`, `fill` (SparKV from a KV server) as there. `flash_attn`: llama.cpp's flash
-    attention (exact reuse at any token only where the probe passes: the patched build with
-    GGML_CPU_BATCH_INVARIANT=1; elsewhere whole chunks)."""
+    attention, None for the engine's default (on with EdgeKV's batch-invariant build; exact
+    reuse at any token only where the probe passes, elsewhere whole chunks)."""
     from .. import open_llamacpp
 
-    kwargs: dict[str, Any] = {"flash_attn": True} if flash_attn else {}
+    kwargs: dict[str, Any] = {} if flash_attn is None else {"flash_attn": flash_attn}
     return open_llamacpp(model, config, n_ctx=n_ctx, engine=engine, n_threads=n_threads,
                          semantic=semantic, prefetch=prefetch, fill=fill, store_url=store_url,
                          **kwargs)
