@@ -7,19 +7,18 @@ machine dies with SIGILL on another. So each instruction set is switched on only
 /proc/cpuinfo lists it, and AMX is always off. The setup stamp records these flags: a venv
 moved to a CPU with other features is rebuilt instead of crashing.
 
-Why GGML_LLAMAFILE=OFF: llamafile's tinyBLAS computes the F16 attention products of batches
-of two or more tokens, while single tokens (decode steps, a lone last prompt token) take
-ggml's own dot products, which sum in another order. The last-token logits and the KV then
-depend on how the prompt was batched, so reuse could not end at any token. Measured on an
-AMD EPYC with AVX512 (SmolLM2 Q4_1, flash attention off, `edgekv probe`): with llamafile
-4/6 schedules bit-identical (a lone last token and decode steps differ), without it 6/6;
-cold prefill costs 243 vs 281 tok/s at 512 tokens (-13%), decode is unchanged. Set
-EDGEKV_LLAMAFILE=ON to trade exact any-token reuse (the probe then falls back to whole
-chunks) for that prefill speed.
+Why llamafile differs between the two flag sets: llamafile's tinyBLAS computes the products of
+batches of two or more tokens, while single tokens (decode steps, a lone last prompt token) take
+ggml's own dot products, which for F16 sum in another order. On an unpatched build the
+last-token logits and the KV then depend on how the prompt was batched, so reuse could not end
+at any token: measured on an AMD EPYC with AVX512 (SmolLM2 Q4_1, flash attention off, `edgekv
+probe`), with llamafile 4/6 schedules bit-identical, without it 6/6, at 243 vs 281 tok/s cold
+prefill (512 tokens). So the unpatched flag set (no option; `make edgekv-before-lib`, the
+engine before the patch series) keeps llamafile off; EDGEKV_LLAMAFILE=ON turns it on.
 
-The patched build (`make patched-lib`, patches/llama.cpp/) keeps llamafile on: its
-batch-invariant mode (GGML_CPU_BATCH_INVARIANT=1, one of the patches) gives single tokens the
-same tinyBLAS kernels as batches, so the speed of llamafile no longer costs exactness there.
+EdgeKV's engine (`make setup`, --patched: patches/llama.cpp applied) keeps llamafile on: its
+batch-invariant mode (GGML_CPU_BATCH_INVARIANT=1, one of the patches, EdgeKV's default) gives a
+single token the same sums as a batch, so llamafile's speed no longer costs exactness.
 
 Usage: python scripts/cpu_flags.py            -> "-DGGML_NATIVE=OFF -DGGML_AVX2=ON ..."
        python scripts/cpu_flags.py --signature -> a short name of the flag set (for the stamp)

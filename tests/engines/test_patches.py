@@ -70,3 +70,27 @@ def test_a_tree_patched_with_another_series_is_refused(tmp_path):
     (root / ".edgekv-patches").write_text("deadbeef  0001-other.patch\n")
     res = apply(root)
     assert res.returncode != 0 and "another patch series" in res.stderr
+
+
+def test_the_invariant_kernels_are_recognised_by_their_symbol(tmp_path, monkeypatch):
+    """`batch_invariant_kernels`: only a CPU backend that exports the switch's accessor, and
+    only while the switch is on; a folder without the backend, or the switch at 0, is not."""
+    from edgekv.engines.llamacpp import batch_invariant_kernels
+
+    assert not batch_invariant_kernels(None)
+    assert not batch_invariant_kernels(tmp_path)  # no libggml-cpu here
+    monkeypatch.setenv("GGML_CPU_BATCH_INVARIANT", "0")
+    assert not batch_invariant_kernels(tmp_path)
+    libc = Path("/lib/x86_64-linux-gnu/libc.so.6")
+    if libc.exists():  # a real shared library without the symbol
+        (tmp_path / "libggml-cpu.so").symlink_to(libc)
+        monkeypatch.setenv("GGML_CPU_BATCH_INVARIANT", "1")
+        assert not batch_invariant_kernels(tmp_path)
+
+
+def test_the_series_carries_the_decode_paths():
+    """The three decode-speed pieces are in the series (each is exercised by the probe)."""
+    text = {p.name[:4]: p.read_text(encoding="utf-8") for p in PATCHES.glob("*.patch")}
+    assert "ggml_compute_forward_flash_attn_ext_few_rows" in text["0003"]
+    assert "Atype == GGML_TYPE_Q8_0 || Atype == GGML_TYPE_Q4_0" in text["0004"]
+    assert "static bool invariant_pad()" in text["0005"]

@@ -199,22 +199,42 @@ def test_flash_attention_layout_also_reuses_exactly(tmp_path):
         a.close()
 
 
-def test_serve_and_generate_switch_flash_attention_on(tmp_path):
-    """`--flash-attn` reaches the engine from `edgekv serve` and `edgekv generate` (the way to
-    run the patched build's exact flash attention outside `bench kernels`)."""
+def test_serve_and_generate_switch_flash_attention(tmp_path):
+    """`--flash-attn` / `--no-flash-attn` reach the engine from `edgekv serve` and `edgekv
+    generate`; without either, the engine's default: on with the batch-invariant build that
+    `make setup` makes (the probe then decides the granularity as anywhere)."""
     from edgekv.cli import _open, build_parser
     from edgekv.serve.runner import load_edgekv
 
     cfg = CacheConfig(cache_dir=tmp_path, reuse_granularity="chunk")
-    kv = load_edgekv(MODEL, cfg, n_ctx=512, flash_attn=True)
+    for flag, want in ((True, "flash_attn_type=1"), (False, "flash_attn_type=0")):
+        kv = load_edgekv(MODEL, cfg, n_ctx=512, flash_attn=flag)
+        try:
+            assert want in kv.adapter.build_info()
+        finally:
+            kv.close()
+    for argv, want in ((["--flash-attn"], True), (["--no-flash-attn"], False), ([], None)):
+        args = build_parser().parse_args(["generate", "hi", *argv, "--no-semantic",
+                                          "--n-ctx", "512", "--cache-dir", str(tmp_path)])
+        kv = _open(args)
+        try:
+            a = kv.adapter
+            assert a.flash_attn == (a.batch_invariant if want is None else want)
+        finally:
+            kv.close()
+
+
+def test_the_setup_build_runs_the_batch_invariant_kernels_with_flash_attention():
+    """`make setup` builds the engine from patches/llama.cpp: the loaded CPU backend carries
+    the switch, EdgeKV turned it on, and flash attention is on by default."""
+    from edgekv.engines.llamacpp import LlamaCppAdapter
+
+    if os.environ.get("LLAMA_CPP_LIB_PATH") or os.environ.get("GGML_CPU_BATCH_INVARIANT") == "0":
+        pytest.skip("another engine build or its stock kernels were asked for")
+    a = LlamaCppAdapter(MODEL, n_ctx=256)
     try:
-        assert "flash_attn_type=1" in kv.adapter.build_info()
+        assert a.batch_invariant and a.flash_attn
+        assert os.environ["GGML_CPU_BATCH_INVARIANT"] == "1"
+        assert "LLAMAFILE = 1" in a.build_info()
     finally:
-        kv.close()
-    args = build_parser().parse_args(["generate", "hi", "--flash-attn", "--no-semantic",
-                                      "--n-ctx", "512", "--cache-dir", str(tmp_path)])
-    kv = _open(args)
-    try:
-        assert "flash_attn_type=1" in kv.adapter.build_info()
-    finally:
-        kv.close()
+        a.close()
