@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from .base import FragmentSpec, Generation, KVAdapter
+import os
+
+# ggml reads GGML_CPU_BATCH_INVARIANT once, when its CPU backend starts, in whatever code loads
+# llama.cpp first in the process (a benchmark's plain llama-cpp-python peer included), so EdgeKV
+# sets its default here, on import, unless the environment already says (engines/llamacpp.py)
+os.environ.setdefault("GGML_CPU_BATCH_INVARIANT", "1")
+
+from .base import FragmentSpec, Generation, KVAdapter  # noqa: E402
 from .fake import FakeAdapter
 from .shared import aligned_batches, check_injectable
 
