@@ -8,9 +8,10 @@ STAMP  := $(VENV)/.edgekv-setup-$(shell $(PYTHON) scripts/cpu_flags.py --patched
 # llama.cpp is built for the CPU that runs setup, never for the one the project was written on:
 # scripts/cpu_flags.py turns on each instruction set that /proc/cpuinfo lists (AMX never: a VM
 # that forbids its tiles kills every decode with SIGSEGV; AVX512 only where present: SIGILL).
-# The flag set is recorded in the venv; a venv on a CPU with other features rebuilds it.
+# The flag set and the patch series are recorded in the venv; a venv on a CPU with other
+# features, or with another series, rebuilds its engine. LLAMA_CMAKE_ARGS: the same flags with
+# llamafile off, for the engine before the series (edgekv-before-lib).
 LLAMA_CMAKE_ARGS := $(shell $(PYTHON) scripts/cpu_flags.py)
-LLAMA_CPU_SIG    := $(shell $(PYTHON) scripts/cpu_flags.py --signature)
 LLAMA_VERSION    := 0.3.36
 LLAMA_BUILT      := $(VENV)/.llama-cpp-build
 # EdgeKV's engine build (patches/llama.cpp applied; see "EdgeKV's engine" below)
