@@ -65,6 +65,9 @@ def test_an_engine_without_sequence_ids_serves_one_at_a_time_and_says_why(kv):
         health = httpx.get(f"{url}/health").json()
         par = health["parallel"]
         assert par["requested"] == 4 and par["slots"] == 1 and par["batched"] is False
+        engine = health["engine"]  # what runs, and the granularity the probe decided
+        assert engine["reuse_granularity"] in ("token", "chunk") and engine["why"]
+        assert engine["build"] == kv.adapter.build_info() and engine["batch_invariant"] is None
         assert "no sequence ids" in par["reason"]
         r = httpx.post(f"{url}/v1/completions", json={"model": "fake-model", "prompt": "hi",
                                                        "max_tokens": 3}, timeout=20)

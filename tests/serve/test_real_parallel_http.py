@@ -91,6 +91,8 @@ def at_once(url: str, prompts: list[str]) -> list[object]:
 def test_four_at_once_are_batched_and_equal_plain_cold_and_warm(server, adapter, plain):  # noqa: F811
     health = httpx.get(f"{server}/health", timeout=30).json()
     assert health["parallel"]["slots"] == 4 and health["parallel"]["batched"], health
+    engine = health["engine"]  # the server's engine is the one the reference runs
+    assert engine["reuse_granularity"] == "token" and engine["build"] == adapter.build_info()
     prompts = [chat(adapter, [("user", q)]) for q in QUESTIONS]
     cold = at_once(server, prompts)
     assert (metric(server, "edgekv_batch_max_sequences") or 0) >= 2  # shared a step

@@ -248,7 +248,8 @@ class _Server:
     async def health(self, request: Request) -> JSONResponse:
         if self.served is not None and self.scheduler.ready.is_set():
             parallel = self.slots.as_dict() if self.slots is not None else None
-            return JSONResponse({"status": "ok", "model": self.model_id, "parallel": parallel})
+            return JSONResponse({"status": "ok", "model": self.model_id, "parallel": parallel,
+                                 "engine": self._engine_card()})
         err = self.scheduler.load_error
         body = ({"status": "failed", "error": str(err)} if err is not None
                 else {"status": "loading", "model": self.model_id})
@@ -259,6 +260,16 @@ class _Server:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
     # -- private helpers -------------------------------------------------------------------
+
+    def _engine_card(self) -> dict[str, Any]:
+        """What the engine runs: its build line, the batch-invariant kernels and flash attention
+        (llama.cpp), and the reuse granularity the probe decided, with why."""
+        assert self.served is not None
+        kv = self.served.kv
+        a = kv.adapter
+        return {"build": a.build_info(), "batch_invariant": getattr(a, "batch_invariant", None),
+                "flash_attn": getattr(a, "flash_attn", None),
+                "reuse_granularity": kv.granularity, "why": kv.granularity_reason}
 
     def _model_card(self) -> dict[str, Any]:
         return {"id": self.model_id, "object": "model", "created": self.created,
