@@ -238,3 +238,35 @@ def test_the_setup_build_runs_the_batch_invariant_kernels_with_flash_attention()
         assert "LLAMAFILE = 1" in a.build_info()
     finally:
         a.close()
+
+
+ORDER = """
+import os, sys
+if sys.argv[1] == "plain":  # llama.cpp computes before EdgeKV's default for the switch is set
+    import llama_cpp
+    llm = llama_cpp.Llama(sys.argv[2], n_ctx=64, verbose=False)
+    llm.eval(llm.tokenize(b"hello there"))
+    llm.close()
+from edgekv.engines.llamacpp import LlamaCppAdapter
+a = LlamaCppAdapter(sys.argv[2], n_ctx=256)
+print(os.environ["GGML_CPU_BATCH_INVARIANT"], a.batch_invariant, a.flash_attn)
+a.close()
+"""
+
+
+def test_the_adapter_asks_the_backend_which_kernels_it_runs():
+    """ggml reads GGML_CPU_BATCH_INVARIANT once, when its CPU backend starts: in a process where
+    a plain llama-cpp-python computed first, without the switch, the kernels are the stock ones
+    whatever the environment says later, so the adapter (asking the loaded backend) keeps flash
+    attention off; where EdgeKV came first, both are on."""
+    if os.environ.get("LLAMA_CPP_LIB_PATH"):
+        pytest.skip("another engine build was asked for")
+    env = {k: v for k, v in os.environ.items() if k != "GGML_CPU_BATCH_INVARIANT"}
+    got = {}
+    for first in ("plain", "edgekv"):
+        res = subprocess.run([sys.executable, "-c", ORDER, first, str(MODEL)], env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-800:]
+        got[first] = res.stdout.split()[-3:]
+    assert got["plain"] == ["1", "False", "False"]
+    assert got["edgekv"] == ["1", "True", "True"]

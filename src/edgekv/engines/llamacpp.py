@@ -181,17 +181,38 @@ def _import_llama() -> Any:
 
 
 def batch_invariant_kernels(lib_dir: Path | None) -> bool:
-    """Whether the CPU backend in `lib_dir` carries the patch series' batch-invariant mode
-    (it exports `ggml_cpu_batch_invariant`) and the environment has it on."""
-    if os.environ.get(INVARIANT_ENV, "").strip() != "1" or lib_dir is None:
+    """Whether the CPU backend in `lib_dir` runs the patch series' batch-invariant kernels: it
+    exports `ggml_cpu_batch_invariant`, and the mode it read when it started is on. The backend
+    reads the switch once, so a process that loaded llama.cpp before the switch was set runs
+    the stock kernels whatever the environment says now; asking the backend tells which."""
+    path = _cpu_backend(lib_dir) if lib_dir is not None else None
+    if path is None:
         return False
-    for name in _CPU_BACKEND:
-        if (lib_dir / name).exists():
-            try:  # already loaded by llama_cpp: this only looks the symbol up
-                return hasattr(ctypes.CDLL(str(lib_dir / name)), "ggml_cpu_batch_invariant")
-            except OSError:
-                return False
-    return False
+    try:  # the copy llama_cpp loaded: dlopen of the same file returns its handle
+        lib = ctypes.CDLL(str(path))
+    except OSError:
+        return False
+    if not hasattr(lib, "ggml_cpu_batch_invariant"):
+        return False
+    lib.ggml_cpu_init()  # idempotent: reads the switch only the first time
+    lib.ggml_cpu_batch_invariant.restype = ctypes.c_bool
+    return bool(lib.ggml_cpu_batch_invariant())
+
+
+def _cpu_backend(lib_dir: Path) -> Path | None:
+    """The CPU backend file of `lib_dir` that this process has loaded (the wheel ships its
+    libraries as separate copies under each name, libggml-cpu.so and libggml-cpu.so.0, and
+    opening another name would load a second, separate backend), else the first that exists."""
+    folder = lib_dir.resolve()
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as maps:
+            for line in maps:
+                f = Path(line.rsplit(None, 1)[-1])
+                if f.name.startswith(("libggml-cpu.", "ggml-cpu.")) and f.parent == folder:
+                    return f
+    except OSError:  # no /proc (macOS)
+        pass
+    return next((lib_dir / n for n in _CPU_BACKEND if (lib_dir / n).exists()), None)
 
 
 class LlamaCppAdapter(ShiftableKV, WindowedKV, ModelFile):
