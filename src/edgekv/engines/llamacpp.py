@@ -161,16 +161,13 @@ class SequenceContext:
 
 
 # EdgeKV's engine is llama.cpp with patches/llama.cpp applied (`make setup` builds it): with
-# GGML_CPU_BATCH_INVARIANT=1 its CPU kernels compute a token alike whatever batch it sits in,
-# with llamafile and flash attention on. ggml reads the switch once, when its CPU backend
-# starts, so it is set (unless the environment already says 0 or 1) before llama_cpp loads. A
-# library built without the patches ignores it.
-INVARIANT_ENV = "GGML_CPU_BATCH_INVARIANT"
+# GGML_CPU_BATCH_INVARIANT=1 (its default, set when `edgekv.engines` is imported) its CPU
+# kernels compute a token alike whatever batch it sits in, with llamafile and flash attention
+# on. A library built without the patches ignores the switch.
 _CPU_BACKEND = ("libggml-cpu.so", "libggml-cpu.dylib", "ggml-cpu.dll")
 
 
 def _import_llama() -> Any:
-    os.environ.setdefault(INVARIANT_ENV, "1")
     try:
         import llama_cpp
     except ImportError as e:  # pragma: no cover - depends on the environment
