@@ -131,6 +131,11 @@ class EdgeKV:
         # generations on several sequences at once (`generate(sequence=...)`) take turns in
         # the steps that read and write the cache, store, index and router
         self._steps = threading.RLock()
+        # prompt chunks a generation on a sequence is computing, by chain key: another that
+        # needs one waits for it instead of computing it too (`_claim`)
+        self._computing: dict[str, threading.Event] = {}
+        self.inflight_waits = 0  # generations that waited for another's prompt chunks
+        self.inflight_wait_s = 0.0
 
     # -- public API ----------------------------------------------------------------------
 
@@ -218,7 +223,9 @@ class EdgeKV:
         `sequence`: the engine sequence to run on instead of `adapter`, one of a server's
         slots (`parallel.Slots`); several generations then run at once, one per slot and
         thread, and their prefill and decode tokens are batched together. The steps that
-        read and write the cache (match, injection, commit) take turns."""
+        read and write the cache (match, injection, commit) take turns, and a generation
+        whose prompt's next chunk another sequence is computing waits for it to be stored,
+        then reuses it (see "prompt chunks in flight" below)."""
         t0 = time.perf_counter()
         if isinstance(prompt, Request):
             if options:
@@ -227,25 +234,33 @@ class EdgeKV:
         else:
             req = self.prepare(prompt, **options)
         a = sequence or self.adapter
-        with self._steps:
-            match = self._match(req)
-            t_lookup = time.perf_counter()
-            cached = self._inject(match, a)
-            if cached != match.n_tokens:  # refused: the whole prompt is computed
-                match.release()
-                match = PrefixMatch(0, rejections=match.rejections,
-                                    token_exact=self.token_exact)
-        t_inject = time.perf_counter()
-        before = a.counters.snapshot()
-        filled = self._fill(req, cached, a)
-        logits = a.prefill(req.tokens[filled.held:], align=self.prefill_align)
-        traffic = a.counters.since(before).traffic_bytes(a.weight_bytes,
-                                                         a.fingerprint.kv_bytes_per_token)
-        t_logits = time.perf_counter()
-        gen, t_first = self._sample(logits, req.sampling, on_token, a)
-        t_gen = time.perf_counter()
-        with self._steps:
-            match, stored, written = self._commit(req, match, filled, cached, a)
+        claimed = threading.Event()  # set once this generation's claimed chunks are stored
+        try:
+            match, cached, t_lookup = self._match_inject(req, a, claimed if sequence else None)
+            t_inject = time.perf_counter()
+            before = a.counters.snapshot()
+            filled = self._fill(req, cached, a)
+            logits = a.prefill(req.tokens[filled.held:], align=self.prefill_align)
+            traffic = a.counters.since(before).traffic_bytes(a.weight_bytes,
+                                                             a.fingerprint.kv_bytes_per_token)
+            t_logits = time.perf_counter()
+
+            early = [0, 0]  # fragments, bytes stored after the first token
+
+            def commit_prompt() -> None:  # after the first token: the waiting reuse them
+                if not claimed.is_set():
+                    with self._steps:
+                        early[:] = self._commit_prompt(req, match, filled, cached, a)
+                    self._unclaim(claimed)
+
+            gen, t_first = self._sample(logits, req.sampling, on_token, a,
+                                        after_first=commit_prompt if sequence else None)
+            t_gen = time.perf_counter()
+            with self._steps:
+                match, stored, written = self._commit(req, match, filled, cached, a)
+            stored, written = stored + early[0], written + early[1]
+        finally:
+            self._unclaim(claimed)
         t_end = time.perf_counter()
         return GenerationResult(
             text=a.detokenize(gen.tokens), tokens=gen.tokens, prompt_tokens=len(req.tokens),
@@ -318,6 +333,33 @@ class EdgeKV:
         match.release()
         return PrefixMatch(0, rejections=match.rejections, token_exact=self.token_exact)
 
+    def _match_inject(self, req: Request, a: KVAdapter, claimed: threading.Event | None
+                      ) -> tuple[PrefixMatch, int, float]:
+        """Match and inject; with `claimed` (a generation on a sequence), first wait for any
+        other generation computing the prompt's next chunk, and claim the chunks this one
+        will compute. Returns the match, the tokens injected and when the match was made."""
+        while True:
+            with self._steps:
+                match = self._match(req)
+                t_lookup = time.perf_counter()
+                busy = (self._computing.get(self._next_key(req, match.n_tokens))
+                        if claimed is not None else None)
+                if busy is None:
+                    cached = self._inject(match, a)
+                    if cached != match.n_tokens:  # refused: the whole prompt is computed
+                        match.release()
+                        match = PrefixMatch(0, rejections=match.rejections,
+                                            token_exact=self.token_exact)
+                    if claimed is not None and self._stores(req):
+                        self._claim(req, cached, claimed)
+                    return match, cached, t_lookup
+                match.release()
+                self.inflight_waits += 1
+            t_wait = time.perf_counter()
+            busy.wait()
+            with self._steps:
+                self.inflight_wait_s += time.perf_counter() - t_wait
+
     def _fill(self, req: Request, cached: int, a: KVAdapter) -> Filled:
         """The fill step chosen at construction; one that continues whole chunks runs only
         where the injected prefix ends on a chunk boundary."""
@@ -327,22 +369,70 @@ class EdgeKV:
         return self.fill.fill(FillRequest(a, req, c, cached, self._chunk_check(req)))
 
     def _sample(self, logits: np.ndarray, s: Sampling, on_token: TokenCallback | None,
-                a: KVAdapter) -> tuple[Generation, float]:
+                a: KVAdapter, *, after_first: Callable[[], None] | None = None
+                ) -> tuple[Generation, float]:
         """Sample the answer; also the time of the first token. TTFT stops where a streaming
         client's clock stops: at the first sampled token, as text (what llama-cpp-python's
-        and llama-server's first streamed chunk carries)."""
+        and llama-server's first streamed chunk carries). `after_first` runs once the first
+        token has been handed on."""
         first = list[float]()
 
         def timed(tok: int) -> bool:
-            if not first:
-                a.detokenize([tok])
-                first.append(time.perf_counter())
-            return True if on_token is None else on_token(tok)
+            if first:
+                return True if on_token is None else on_token(tok)
+            a.detokenize([tok])
+            first.append(time.perf_counter())
+            go = True if on_token is None else on_token(tok)
+            if after_first is not None:
+                after_first()
+            return go
 
         gen = a.generate(logits, s.max_tokens, temperature=s.temperature, seed=s.seed,
                          keep_logits=s.keep_logits, top_p=s.top_p, on_token=timed,
                          **({} if s.constraint is None else {"constraint": s.constraint}))
         return gen, first[0] if first else time.perf_counter()  # EOS alone: its end
+
+    # -- prompt chunks in flight (generations on several sequences at once) ---------------
+    #
+    # Requests that arrive together often share a prefix (a deployment's system prompt) that
+    # no one has stored yet. Each would compute it, beside the others, in one batch. Instead
+    # the first claims the prompt chunks it computes, stores them once its first token is out
+    # (`_commit_prompt`), and a request whose next chunk is claimed waits for that, then
+    # matches again and reuses them. Chain keys name a chunk and everything before it, so a
+    # waiting request computes only what differs. A claim is dropped whatever happens to the
+    # generation (`finally`), so a failed one leaves its waiters to compute for themselves.
+
+    def _next_key(self, req: Request, matched: int) -> str:
+        """The chain key of the first prompt chunk past `matched` tokens ("" where none:
+        never claimed)."""
+        i = matched // self.config.chunk_size
+        return str(req.keys[i]) if i < len(req.keys) else ""
+
+    def _stores(self, req: Request) -> bool:
+        return req.store and req.use_cache and req.layout is None
+
+    def _claim(self, req: Request, cached: int, claimed: threading.Event) -> None:
+        for key in req.keys[cached // self.config.chunk_size:]:
+            self._computing.setdefault(str(key), claimed)
+
+    def _unclaim(self, claimed: threading.Event) -> None:
+        if claimed.is_set():
+            return
+        with self._steps:
+            for key in [k for k, e in self._computing.items() if e is claimed]:
+                del self._computing[key]
+        claimed.set()
+
+    def _commit_prompt(self, req: Request, match: PrefixMatch, filled: Filled, cached: int,
+                       a: KVAdapter) -> tuple[int, int]:
+        """Store the prompt's whole chunks past the reuse, as `_commit` would (the rest of
+        its commit, the trailing tokens and the answer, waits for the last token). Returns
+        (fragments, bytes)."""
+        if not (match.batch_exact(self.config.chunk_size) and filled.exact):
+            return 0, 0
+        n = len(req.keys) * self.config.chunk_size
+        return self.writeback.store_new(req.tokens[:n], cached, req.keys, root=req.root,
+                                        engine=a)
 
     def _commit(self, req: Request, match: PrefixMatch, filled: Filled, cached: int,
                 a: KVAdapter) -> tuple[PrefixMatch, int, int]:

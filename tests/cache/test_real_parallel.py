@@ -73,6 +73,10 @@ def test_batched_requests_equal_plain_llama_cpp_cold_and_warm(kv, adapter, plain
         assert len(prompts[-1]) < 256 < len(prompts[0])
         cold = at_once(kv, slots.sequences, prompts, 16)
         batched = slots.stats()
+        # the manual is computed once: the first of the three to match claims its chunks, the
+        # other two wait for them to be stored and reuse them
+        assert kv.inflight_waits == 2
+        assert sorted(r.cached_tokens > 128 for r in cold[:3]) == [False, True, True]
         # the four were computed together: some step held several sequences' tokens
         assert batched["max_sequences"] >= 2 and batched["steps"] < sum(
             len(r.tokens) for r in cold)

@@ -192,7 +192,11 @@ class _Server:
         return p.stats() if isinstance(p, Prefetcher) else None
 
     def _parallel_stats(self) -> dict[str, float] | None:
-        return None if self.slots is None else self.slots.stats()
+        if self.slots is None or self.served is None:
+            return None
+        kv = self.served.kv
+        return {**self.slots.stats(), "prefix_waits": float(kv.inflight_waits),
+                "prefix_wait_seconds": kv.inflight_wait_s}
 
     def _kv_server_stats(self) -> dict[str, float] | None:
         fill = None if self.served is None else self.served.kv.fill

@@ -16,7 +16,9 @@ here), `edgekv_passage_reused_tokens_total` (document tokens placed from the pas
 --kv-server `edgekv_kv_server_up`, `edgekv_kv_published_total`, `edgekv_kv_publish_failures_total`;
 once loaded `edgekv_batch_slots` (requests generating at once: 1 where `--parallel` fell back
 to one at a time, and `/health`'s `parallel.reason` says why), `edgekv_batch_requested`,
-`edgekv_batch_steps_total`, `edgekv_batch_tokens_total`, `edgekv_batch_max_sequences`.
+`edgekv_batch_steps_total`, `edgekv_batch_tokens_total`, `edgekv_batch_max_sequences`,
+`edgekv_batch_prefix_waits_total` and `edgekv_batch_prefix_wait_seconds_total` (requests that
+waited for another slot's prompt chunks, and for how long: `EdgeKV.generate`).
 """
 
 from __future__ import annotations
@@ -222,7 +224,10 @@ def _parallel_collector(stats: Callable[[], Mapping[str, float] | None]) -> _Sta
     """--parallel (`parallel.Slots.stats`): slots in use and what batching did."""
     return _StatsCollector(stats, "edgekv_batch_", {
         "steps": "Batched decodes of the slots' tokens (llama_decode calls)",
-        "tokens": "Tokens decoded in batched steps (prompt and generated)"},
+        "tokens": "Tokens decoded in batched steps (prompt and generated)",
+        "prefix_waits": "Requests that waited for another slot to store the prompt chunk "
+                        "it was computing, instead of computing it too",
+        "prefix_wait_seconds": "Time those requests waited"},
         {"slots": "Requests that generate at once (1: one at a time; /health says why)",
          "requested": "Slots asked for with --parallel",
          "max_sequences": "The most sequences one batched step held"})
