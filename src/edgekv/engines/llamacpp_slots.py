@@ -29,13 +29,14 @@ How, and why it stays exact:
 - Every computation of the pool runs on its one thread, so one OpenMP team does the work. Keep
   it the only one: a thread that computed earlier (the one that loaded the model and ran the
   probe) keeps its own idle team while it lives, libgomp then counts more threads than cores
-  and cuts every barrier's spinning short: a one-sequence step took 31.0 ms instead of 11.05
+  and cuts every barrier's spinning short: a one-sequence step took 51.62 ms instead of 10.47
   on 2 cores (docs/bench/slots-step.json, `scripts/slots_step_bench.py`). `edgekv serve`
   loads on a thread that ends with the load.
-- What batching buys on EdgeKV's exact build (llamafile off, so each weight row's dot products
-  are computed per token, the same whatever the batch): a step of 1, 2, 4, 8 sequences took
-  11.69, 19.02, 32.15, 82.62 ms (the same JSON). The gain is mostly in waiting: a request's
-  prompt is computed beside the others' decoding instead of after their whole answers.
+- What batching buys (SmolLM2 Q4_1, EdgeKV's batch-invariant build): a step of 1, 2, 4, 8
+  sequences took 10.94, 20.23, 35.71, 59.51 ms (the same JSON). Q4_1 has no tinyBLAS, repack
+  or tiled mat-mul in llama.cpp, so every weight row's dot product is computed per token, in
+  stock llama.cpp as here. The gain is mostly in waiting: a request's prompt is computed
+  beside the others' decoding instead of after their whole answers.
 """
 
 from __future__ import annotations

@@ -144,8 +144,8 @@ class _Server:
         Why a thread of its own: llama.cpp's OpenMP threads belong to the OS thread that ran
         the computation (here: the probe), and live as long as it does. With a second team
         computing (the slots' batching thread), libgomp counts more threads than cores and
-        cuts the spinning of every barrier short: a decode step took 31.0 ms instead of
-        11.05 on 2 cores until the loading thread was gone (docs/bench/slots-step.json)."""
+        cuts the spinning of every barrier short: a decode step took 51.62 ms instead of
+        10.47 on 2 cores until the loading thread was gone (docs/bench/slots-step.json)."""
         if self._loader is not None:
             loaded: list[EdgeKV] = []
             failed: list[BaseException] = []
