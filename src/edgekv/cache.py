@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -63,6 +63,15 @@ if TYPE_CHECKING:
     from .semantic.router import Route
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Claim:
+    """Prompt chunks one generation computes (`EdgeKV._claim`): `done` once they are stored
+    or the generation ended; `waiters`, the generations that wait for it."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+    waiters: int = 0
 
 
 class EdgeKV:
@@ -133,7 +142,7 @@ class EdgeKV:
         self._steps = threading.RLock()
         # prompt chunks a generation on a sequence is computing, by chain key: another that
         # needs one waits for it instead of computing it too (`_claim`)
-        self._computing: dict[str, threading.Event] = {}
+        self._computing: dict[str, _Claim] = {}
         self.inflight_waits = 0  # generations that waited for another's prompt chunks
         self.inflight_wait_s = 0.0
 
@@ -234,7 +243,7 @@ class EdgeKV:
         else:
             req = self.prepare(prompt, **options)
         a = sequence or self.adapter
-        claimed = threading.Event()  # set once this generation's claimed chunks are stored
+        claimed = _Claim()  # this generation's prompt chunks, while it computes them
         try:
             match, cached, t_lookup = self._match_inject(req, a, claimed if sequence else None)
             t_inject = time.perf_counter()
@@ -248,8 +257,8 @@ class EdgeKV:
             early = [0, 0]  # fragments, bytes stored after the first token
 
             def commit_prompt() -> None:  # after the first token: the waiting reuse them
-                if not claimed.is_set():
-                    with self._steps:
+                with self._steps:
+                    if claimed.waiters and not claimed.done.is_set():
                         early[:] = self._commit_prompt(req, match, filled, cached, a)
                     self._unclaim(claimed)
 
@@ -333,7 +342,7 @@ class EdgeKV:
         match.release()
         return PrefixMatch(0, rejections=match.rejections, token_exact=self.token_exact)
 
-    def _match_inject(self, req: Request, a: KVAdapter, claimed: threading.Event | None
+    def _match_inject(self, req: Request, a: KVAdapter, claimed: _Claim | None
                       ) -> tuple[PrefixMatch, int, float]:
         """Match and inject; with `claimed` (a generation on a sequence), first wait for any
         other generation computing the prompt's next chunk, and claim the chunks this one
@@ -354,9 +363,10 @@ class EdgeKV:
                         self._claim(req, cached, claimed)
                     return match, cached, t_lookup
                 match.release()
+                busy.waiters += 1
                 self.inflight_waits += 1
             t_wait = time.perf_counter()
-            busy.wait()
+            busy.done.wait()
             with self._steps:
                 self.inflight_wait_s += time.perf_counter() - t_wait
 
@@ -396,10 +406,14 @@ class EdgeKV:
     #
     # Requests that arrive together often share a prefix (a deployment's system prompt) that
     # no one has stored yet. Each would compute it, beside the others, in one batch. Instead
-    # the first claims the prompt chunks it computes, stores them once its first token is out
-    # (`_commit_prompt`), and a request whose next chunk is claimed waits for that, then
-    # matches again and reuses them. Chain keys name a chunk and everything before it, so a
-    # waiting request computes only what differs. A claim is dropped whatever happens to the
+    # the first claims the prompt chunks it computes, and a request whose next chunk is
+    # claimed waits. Once the first token is out the claim ends: where someone waits, the
+    # prompt's chunks are stored first (`_commit_prompt`), and the waiting match again and
+    # reuse them. Where no one waits, nothing is stored before the last token, which would
+    # only delay the second token. Chain keys name a chunk and everything before it, so a
+    # waiting request computes only what differs. Waiting costs it nothing a batch would
+    # have given it: the slots take prompt pieces in arrival order, so its own would have
+    # waited for the first prompt anyway. A claim is dropped whatever happens to the
     # generation (`finally`), so a failed one leaves its waiters to compute for themselves.
 
     def _next_key(self, req: Request, matched: int) -> str:
@@ -411,17 +425,17 @@ class EdgeKV:
     def _stores(self, req: Request) -> bool:
         return req.store and req.use_cache and req.layout is None
 
-    def _claim(self, req: Request, cached: int, claimed: threading.Event) -> None:
+    def _claim(self, req: Request, cached: int, claimed: _Claim) -> None:
         for key in req.keys[cached // self.config.chunk_size:]:
             self._computing.setdefault(str(key), claimed)
 
-    def _unclaim(self, claimed: threading.Event) -> None:
-        if claimed.is_set():
+    def _unclaim(self, claimed: _Claim) -> None:
+        if claimed.done.is_set():
             return
         with self._steps:
-            for key in [k for k, e in self._computing.items() if e is claimed]:
+            for key in [k for k, c in self._computing.items() if c is claimed]:
                 del self._computing[key]
-        claimed.set()
+        claimed.done.set()
 
     def _commit_prompt(self, req: Request, match: PrefixMatch, filled: Filled, cached: int,
                        a: KVAdapter) -> tuple[int, int]:

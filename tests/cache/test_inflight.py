@@ -136,3 +136,26 @@ def test_one_at_a_time_nothing_is_claimed(kv):
     kv.generate(SHARED + "x", max_tokens=4)
     res = kv.generate(SHARED + "y", max_tokens=4)
     assert kv._computing == {} and kv.inflight_waits == 0 and res.cached_tokens >= 256
+
+
+def test_with_no_one_waiting_nothing_is_stored_before_the_last_token(kv):
+    """The early store only serves a waiting request: alone, the second token is not delayed
+    by it, and the prompt's chunks are stored with the answer, as one at a time."""
+    prompt = SHARED + "User: reset?"
+    seen: list[int] = []
+
+    def on_token(tok: int) -> bool:
+        if len(seen) == 1:  # the second token: the first one's claim has ended
+            m = kv.lookup(kv.adapter.tokenize(prompt))
+            seen.append(m.n_tokens)
+            m.release()
+            assert kv._computing == {}
+        else:
+            seen.append(-1)
+        return True
+
+    res = kv.generate(prompt, max_tokens=4, sequence=FakeAdapter(), on_token=on_token)
+    assert seen[1] == 0 and res.stored_fragments > 0 and kv.inflight_waits == 0
+    m = kv.lookup(kv.adapter.tokenize(prompt))
+    assert m.n_tokens >= 256
+    m.release()
