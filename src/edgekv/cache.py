@@ -244,8 +244,10 @@ class EdgeKV:
             req = self.prepare(prompt, **options)
         a = sequence or self.adapter
         claimed = _Claim()  # this generation's prompt chunks, while it computes them
+        match: PrefixMatch | None = None
         try:
-            match, cached, t_lookup = self._match_inject(req, a, claimed if sequence else None)
+            match, cached, t_lookup, waited = self._match_inject(req, a,
+                                                                 claimed if sequence else None)
             t_inject = time.perf_counter()
             before = a.counters.snapshot()
             filled = self._fill(req, cached, a)
@@ -254,12 +256,15 @@ class EdgeKV:
                                                              a.fingerprint.kv_bytes_per_token)
             t_logits = time.perf_counter()
 
-            early = [0, 0]  # fragments, bytes stored after the first token
+            early = [0, 0, 0.0]  # fragments, bytes, seconds stored after the first token
+            prompt_match = match
 
             def commit_prompt() -> None:  # after the first token: the waiting reuse them
                 with self._steps:
                     if claimed.waiters and not claimed.done.is_set():
-                        early[:] = self._commit_prompt(req, match, filled, cached, a)
+                        t = time.perf_counter()
+                        early[:2] = self._commit_prompt(req, prompt_match, filled, cached, a)
+                        early[2] = time.perf_counter() - t
                     self._unclaim(claimed)
 
             gen, t_first = self._sample(logits, req.sampling, on_token, a,
@@ -267,7 +272,11 @@ class EdgeKV:
             t_gen = time.perf_counter()
             with self._steps:
                 match, stored, written = self._commit(req, match, filled, cached, a)
-            stored, written = stored + early[0], written + early[1]
+            stored, written = stored + int(early[0]), written + int(early[1])
+        except BaseException:
+            if match is not None:
+                match.release()  # its pins: nothing reads the matched path any more
+            raise
         finally:
             self._unclaim(claimed)
         t_end = time.perf_counter()
@@ -275,14 +284,14 @@ class EdgeKV:
             text=a.detokenize(gen.tokens), tokens=gen.tokens, prompt_tokens=len(req.tokens),
             cached_tokens=cached,
             computed_tokens=len(req.tokens) - cached - filled.streamed - filled.placed,
-            ttft_s=t_first - t0, total_s=t_gen - t0, lookup_s=t_lookup - t0,
+            ttft_s=t_first - t0, total_s=t_gen - t0, lookup_s=t_lookup - t0 - waited,
             inject_s=t_inject - t_lookup, prefill_s=t_logits - t_inject,
-            store_s=t_end - t_gen, stored_fragments=stored,
+            store_s=t_end - t_gen + early[2], stored_fragments=stored,
             kv_bytes_read=sum(f.nbytes for f in match.fragments) if cached else 0,
             kv_bytes_written=written, prefill_traffic_bytes=traffic, first_logits=logits,
             match=match, step_logits=gen.logits, finish_reason=gen.finish_reason,
             streamed_tokens=filled.streamed, passages=filled.passages,
-            fill_report=filled.report)
+            fill_report=filled.report, wait_s=waited)
 
     def warm_passages(self, passages: Sequence[str], scores: bool | None = None) -> int:
         """Cache passages ahead of the requests that cite them (RAG indexing time)."""
@@ -343,31 +352,35 @@ class EdgeKV:
         return PrefixMatch(0, rejections=match.rejections, token_exact=self.token_exact)
 
     def _match_inject(self, req: Request, a: KVAdapter, claimed: _Claim | None
-                      ) -> tuple[PrefixMatch, int, float]:
+                      ) -> tuple[PrefixMatch, int, float, float]:
         """Match and inject; with `claimed` (a generation on a sequence), first wait for any
         other generation computing the prompt's next chunk, and claim the chunks this one
-        will compute. Returns the match, the tokens injected and when the match was made."""
+        will compute. Returns the match, the tokens injected, when the match was made and
+        how long the generation waited."""
+        waited = 0.0
         while True:
             with self._steps:
                 match = self._match(req)
                 t_lookup = time.perf_counter()
                 busy = (self._computing.get(self._next_key(req, match.n_tokens))
-                        if claimed is not None else None)
+                        if claimed is not None and req.use_cache else None)
                 if busy is None:
                     cached = self._inject(match, a)
                     if cached != match.n_tokens:  # refused: the whole prompt is computed
                         match.release()
                         match = PrefixMatch(0, rejections=match.rejections,
                                             token_exact=self.token_exact)
-                    if claimed is not None and self._stores(req):
+                    if (claimed is not None and self._stores(req)
+                            and match.batch_exact(self.config.chunk_size)):
                         self._claim(req, cached, claimed)
-                    return match, cached, t_lookup
+                    return match, cached, t_lookup, waited
                 match.release()
                 busy.waiters += 1
-                self.inflight_waits += 1
+                self.inflight_waits += not waited  # a generation is counted once
             t_wait = time.perf_counter()
             busy.done.wait()
             with self._steps:
+                waited += time.perf_counter() - t_wait
                 self.inflight_wait_s += time.perf_counter() - t_wait
 
     def _fill(self, req: Request, cached: int, a: KVAdapter) -> Filled:

@@ -172,6 +172,12 @@ class PrefixIndex:
                     self._supersede(node)
             self._prune(node)
 
+    def nbytes(self, key: str) -> int:
+        """The bytes recorded for chunk `key` (0 where the index does not hold it)."""
+        with self._lock:
+            node = self._nodes.get(key)
+            return node.nbytes if node is not None and node.names else 0
+
     def saw(self, key: str, parent: str, start: int, tokens: np.ndarray,
             names: Sequence[str], nbytes: int, tier: str, now: float) -> None:
         """Record a hit on a chunk read from `tier` (and promoted into the faster tiers):

@@ -215,6 +215,9 @@ class GenerationResult:
     # passage reuse (opt-in, approximate): how the passages were placed; None when not used
     passages: PassageReport | None = None
     fill_report: Any = field(default=None, repr=False)  # the fill step's account (`Filled`)
+    # time spent waiting for another sequence to store the prompt's next chunk (`--parallel`);
+    # part of ttft_s, not of lookup_s
+    wait_s: float = 0.0
 
     @property
     def tier(self) -> str | None:

@@ -117,7 +117,8 @@ class Writeback:
         per_token = self.adapter.fingerprint.kv_bytes_per_token
         for key, parent, start, end in spans:
             names = self.reader.store_keys(key)
-            nbytes = sum(sizes.get(n, 0) for n in names) or per_token * (end - start)
+            nbytes = (sum(sizes.get(n, 0) for n in names) or self.index.nbytes(key)
+                      or per_token * (end - start))  # stored earlier: what was recorded
             self.index.insert(key, parent, start, np.asarray(tokens[start:end], np.int32),
                               names, nbytes, now)
 

@@ -55,16 +55,23 @@ def kv(tmp_path):
     k.close()
 
 
-def start(kv: EdgeKV, prompt: str, seq: FakeAdapter, out: dict[str, object]) -> threading.Thread:
+def start(kv: EdgeKV, prompt: str, seq: FakeAdapter, out: dict[str, object],
+          **kw: object) -> threading.Thread:
     def run() -> None:
         try:
-            out["result"] = kv.generate(prompt, max_tokens=8, sequence=seq)
+            out["result"] = kv.generate(prompt, max_tokens=8, sequence=seq, **kw)
         except Exception as e:  # the test reads it
             out["error"] = e
 
-    t = threading.Thread(target=run)
+    t = threading.Thread(target=run, daemon=True)
     t.start()
     return t
+
+
+def joined(*threads: threading.Thread) -> None:
+    for t in threads:
+        t.join(10)
+        assert not t.is_alive(), "a generation did not finish"
 
 
 def wait_until(cond, timeout: float = 10) -> None:
@@ -74,25 +81,42 @@ def wait_until(cond, timeout: float = 10) -> None:
         timeout -= 0.005
 
 
-def test_a_request_waits_for_the_chunks_another_is_computing_and_reuses_them(kv):
+def test_a_request_waits_for_the_chunks_another_is_computing_and_reuses_them(kv, tmp_path):
     a, b = Gated(), FakeAdapter()
     pa, pb = SHARED + "User: reset?", SHARED + "User: pair a sensor?"
     ra: dict[str, object] = {}
     rb: dict[str, object] = {}
-    ta = start(kv, pa, a, ra)
+    answer_a = threading.Event()  # A stops at its second token until B is done
+    tokens_a: list[int] = []
+
+    def hold(tok: int) -> bool:
+        tokens_a.append(tok)
+        assert len(tokens_a) == 1 or answer_a.wait(10)
+        return True
+
+    ta = start(kv, pa, a, ra, on_token=hold)
     assert a.entered.wait(10)  # A matched nothing and claimed the shared chunks
     tb = start(kv, pb, b, rb)
     wait_until(lambda: kv.inflight_waits == 1)  # B found its first chunk claimed
     assert b.computed_tokens == 0
     a.gate.set()
-    ta.join(10)
-    tb.join(10)
+    joined(tb)  # B finished while A is still at its second token: the early store served it
+    assert ta.is_alive()
+    answer_a.set()
+    joined(ta)
     res_a, res_b = ra["result"], rb["result"]
     shared = len(kv.adapter.tokenize(SHARED)) // 64 * 64
     assert res_a.cached_tokens == 0 and res_b.cached_tokens >= shared
     assert res_b.computed_tokens <= len(kv.adapter.tokenize(pb)) - shared  # the rest only
     assert list(res_a.tokens) == plain(pa, 8) and list(res_b.tokens) == plain(pb, 8)
-    assert res_a.stored_fragments > shared // 64  # the early chunks are counted too
+    assert res_b.wait_s > 0 and res_b.lookup_s < res_b.wait_s
+    # A stored, early and late together, what it stores one at a time: each fragment once
+    cfg = CacheConfig(chunk_size=64, cache_dir=tmp_path / "alone")
+    alone = EdgeKV(FakeAdapter(), open_store(cfg), cfg)
+    try:
+        assert res_a.stored_fragments == alone.generate(pa, max_tokens=8).stored_fragments
+    finally:
+        alone.close()
     assert kv._computing == {} and kv.inflight_wait_s > 0
 
 
@@ -106,36 +130,35 @@ def test_a_failed_generation_leaves_its_waiters_to_compute(kv):
     tb = start(kv, pb, b, rb)
     wait_until(lambda: kv.inflight_waits == 1)
     a.gate.set()
-    ta.join(10)
-    tb.join(10)
+    joined(ta, tb)
     assert isinstance(ra["error"], EngineError)
     res_b = rb["result"]
     assert res_b.cached_tokens == 0 and list(res_b.tokens) == plain(pb, 8)
     assert kv._computing == {}
 
 
-def test_requests_that_store_nothing_claim_nothing(kv):
-    """A cold request (use_cache=False) computes for itself and makes no one wait."""
-    a, b = Gated(), FakeAdapter()
+def test_requests_that_store_nothing_claim_nothing_and_cold_ones_never_wait(kv):
+    """A cold request (use_cache=False) computes for itself: it makes no one wait, and it
+    waits for no one."""
+    a, b, c = Gated(), FakeAdapter(), FakeAdapter()
     ra: dict[str, object] = {}
-
-    def run() -> None:
-        ra["result"] = kv.generate(SHARED + "x", max_tokens=4, sequence=a, use_cache=False)
-
-    t = threading.Thread(target=run)
-    t.start()
+    ta = start(kv, SHARED + "x", a, ra, use_cache=False)
     assert a.entered.wait(10)
     assert kv._computing == {}
-    res = kv.generate(SHARED + "y", max_tokens=4, sequence=b)  # does not wait
+    res = kv.generate(SHARED + "y", max_tokens=4, sequence=b)  # does not wait for A
     assert res.cached_tokens == 0 and kv.inflight_waits == 0
     a.gate.set()
-    t.join(10)
-
-
-def test_one_at_a_time_nothing_is_claimed(kv):
-    kv.generate(SHARED + "x", max_tokens=4)
-    res = kv.generate(SHARED + "y", max_tokens=4)
-    assert kv._computing == {} and kv.inflight_waits == 0 and res.cached_tokens >= 256
+    joined(ta)
+    assert list(ra["result"].tokens) == plain(SHARED + "x", 8)
+    g = Gated()  # now one that claims, and a cold one beside it
+    rg: dict[str, object] = {}
+    other = "Another deployment answers about the thermostat schedule. " * 6
+    tg = start(kv, other, g, rg)
+    assert g.entered.wait(10) and kv._computing
+    cold = kv.generate(other, max_tokens=4, sequence=c, use_cache=False)
+    assert cold.cached_tokens == 0 and cold.wait_s == 0 and kv.inflight_waits == 0
+    g.gate.set()
+    joined(tg)
 
 
 def test_with_no_one_waiting_nothing_is_stored_before_the_last_token(kv):
