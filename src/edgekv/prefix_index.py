@@ -306,13 +306,15 @@ class PrefixIndex:
         return node
 
     def _supersede(self, node: Node) -> None:
-        """Free the stored tails a full chunk `node` makes redundant: a tail (not a full
-        chunk) beside its path, under its parent or grandparent, whose tokens the path
-        through `node` repeats from the same start. Any match that tail gives, the path
-        gives too (the radix step compares tokens from the tail's start), so it only takes
-        room: a chat turn's partial tail, once the next turn has filled its chunk."""
+        """Free the stored tails `node` makes redundant: a tail (not a full chunk) beside
+        its path, under its parent or grandparent, whose tokens the path through `node`
+        repeats from the same start, and which is shorter than that path. Any match that
+        tail gives, the path gives too (the radix step compares tokens from the tail's
+        start, and the same tokens at the same positions after the same prefix have the
+        same KV), so it only takes room: a chat turn's partial tail, once the next turn
+        has filled its chunk or stored a longer tail of the same chunk."""
         c = self.chunk_size
-        if not c or len(node.tokens) != c:
+        if not c:
             return
         level, tokens = node, node.tokens
         for _ in range(2):
@@ -322,7 +324,7 @@ class PrefixIndex:
             for leaf in list(anchor.children.values()):
                 if (leaf is not level and not leaf.children and not leaf.lock_ref
                         and len(leaf.tokens) != c and leaf.held and leaf.start == level.start
-                        and len(leaf.tokens) <= len(tokens)
+                        and len(leaf.tokens) < len(tokens)
                         and np.array_equal(leaf.tokens, tokens[: len(leaf.tokens)])):
                     self._free_subtree(leaf)
             level, tokens = anchor, np.concatenate([anchor.tokens, tokens])

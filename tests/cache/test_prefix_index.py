@@ -121,6 +121,37 @@ def test_a_full_chunk_frees_the_tail_it_repeats_and_nothing_else():
     assert store.contains(other_key) and store.contains(full_key) and store.contains(d_key)
 
 
+def test_a_longer_tail_frees_the_shorter_tail_it_extends():
+    """A chat turn's tail, then the next turn's longer tail from the same start: the first
+    is a prefix of the second, so only the second is kept (a tail shorter than a fragment's
+    minimum span is stored with the chunk before it, so the tails here start at chunk 0 or
+    chunk 1); a tail that differs and the chunk itself stay."""
+    store = MemoryStore(10**9)
+    index = PrefixIndex(store, FP, whole, chunk_size=64)
+    d_key, d = chunk("", 0, 1)
+    put(store, index, d_key, d, 0.0)
+    turn = np.arange(100, 200, dtype=np.int32)  # what follows chunk 0, turn by turn
+
+    def tail(parent: str, start: int, ids: np.ndarray, now: float) -> str:
+        key = next_key(parent, FP, ids)
+        kv = np.zeros((1, len(ids), 4), np.float16)
+        put(store, index, key, KVFragment(
+            model_fingerprint=FP, chain_key=key, parent_key=parent, token_start=start,
+            token_end=start + len(ids), layer_start=0, layer_end=1, layer_stride=1,
+            n_layer_model=1, token_ids=ids, keys=kv, values=kv), now)
+        return key
+
+    first = tail("", 0, np.concatenate([d.token_ids, turn[:20]]), 1.0)
+    other = tail("", 0, np.concatenate([d.token_ids, turn[:19], [7]]).astype(np.int32), 2.0)
+    assert store.contains(first) and store.contains(other)
+    second = tail("", 0, np.concatenate([d.token_ids, turn[:40]]), 3.0)  # the next turn
+    assert not store.contains(first) and store.contains(second) and store.contains(other)
+    third = tail(d_key, 64, turn[:70], 4.0)  # long enough to follow chunk 0 on its own
+    assert not store.contains(second) and store.contains(third) and store.contains(other)
+    assert tail(d_key, 64, turn[:70], 5.0) == third and store.contains(third)  # again: no-op
+    assert store.contains(d_key) and index.orphan_bytes() == 0
+
+
 def test_the_memory_tier_asks_the_index_for_room():
     one = chunk("", 0, 1)[1].nbytes
     store = MemoryStore(3 * one)
@@ -157,8 +188,8 @@ def test_memory_pressure_orphans_only_under_per_tier_lru(tmp_path):
     """The same chats through a RAM tier of a third of their KV, each policy."""
     runs = {}
     for policy in ("unbounded", "lru", "leaf"):
-        cfg = CacheConfig(chunk_size=64, cache_dir=tmp_path / policy,
-                          eviction="lru" if policy == "lru" else "leaf")
+        cfg = CacheConfig(chunk_size=64, cache_dir=tmp_path / policy,  # unbounded: frees
+                          eviction="leaf" if policy == "leaf" else "lru")  # nothing, ever
         cap = 1 << 40 if policy == "unbounded" else runs["unbounded"][2] // 3
         kv = EdgeKV(FakeAdapter(), MemoryStore(cap), cfg)
         runs[policy] = (*_chat(kv, 40), kv.store.stats().bytes)
