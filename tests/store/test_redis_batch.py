@@ -62,3 +62,30 @@ def test_a_cluster_hit_is_one_pipeline_per_node(tmp_path, sends):
         assert trips == len(nodes) and sorted(sent) == sorted(nodes), (sent, nodes)
         store.clear()
         store.close()
+
+
+def test_a_requests_chunks_are_written_in_one_round_trip(tmp_path, sends):
+    """put_many on a single Redis: every fragment, its lifecycle and its successor entry in
+    one MULTI/EXEC; a fresh process then finds the whole chain from Redis alone."""
+    redis_kit.need_redis()
+    from edgekv.store import MemoryStore
+
+    tokens = [(7 * i) % 250 + 1 for i in range(1025)]
+    cfg = CacheConfig(chunk_size=128, cache_dir=tmp_path)
+    ram = MemoryStore(1 << 30)
+    EdgeKV(FakeAdapter(), ram, cfg).generate(tokens, max_tokens=1)
+    items = [(k, ram.get(k)) for k in ram.keys()]
+    assert len(items) >= 8
+    with redis_kit.server(tmp_path / "r") as srv:
+        store = RedisStore(srv.url)
+        store.clear()
+        store.get("warm")  # the connection pool warms up
+        sends.clear()
+        store.put_many(items)
+        assert len(sends) == 1, sends
+        assert all(store.contains(k) for k, _ in items)
+        match = EdgeKV(FakeAdapter(), store, cfg).lookup(tokens)
+        match.release()
+        assert match.n_tokens == 1024
+        store.clear()
+        store.close()

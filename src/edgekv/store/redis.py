@@ -246,25 +246,61 @@ class RedisStore(FragmentStore):
         if self._skipping(server):
             self._stats.errors += 1
             raise StoreError(f"Redis {server} is unreachable; {key[:16]} not written")
-        blob = encode_fragment(fragment)
         p = self._r.pipeline(transaction=True)
-        p.set(self._k("frag", key), blob)
+        self._queue_put(p, key, fragment)
+        parent = fragment.parent_key or "_root"
+        try:
+            self.round_trips += 1
+            p.execute()
+            self._ok(server)
+            server = self.server_of(parent)
+            self.round_trips += 1
+            self._r.hset(*self._successor(key, fragment))
+        except self._errors as e:
+            self._failed("put", key, server, e)
+            raise StoreError(f"cannot write {key[:16]} to Redis: {e}") from e
+
+    def put_many(self, items: Sequence[tuple[str, KVFragment]]) -> None:
+        """On a single Redis, every fragment, its lifecycle and its parent's successor entry
+        in one MULTI/EXEC: a request's new chunks in one round trip, all of them landing or
+        none (a failure raises `StoreError`, nothing is written). On a cluster each chunk is
+        in its own slot, which no transaction spans: one `put` each."""
+        if self.cluster or len(items) < 2:
+            for key, frag in items:
+                self.put(key, frag)
+            return
+        for key, _ in items:
+            check_key(key)
+        if self._skipping(self.where):
+            self._stats.errors += 1
+            raise StoreError(f"Redis {self.where} is unreachable; {len(items)} fragments not "
+                             "written")
+        p = self._r.pipeline(transaction=True)
+        for key, frag in items:
+            self._queue_put(p, key, frag)
+            p.hset(*self._successor(key, frag))
+        try:
+            self.round_trips += 1
+            p.execute()
+        except self._errors as e:
+            self._failed("put", items[0][0], self.where, e)
+            raise StoreError(f"cannot write {len(items)} fragments to Redis: {e}") from e
+        self._ok(self.where)
+
+    def _queue_put(self, p: Any, key: str, fragment: KVFragment) -> None:
+        """The fragment and its lifecycle hash (with their expiry) onto pipeline `p`."""
+        p.set(self._k("frag", key), encode_fragment(fragment))
         p.hset(self._k("meta", key), mapping={"hit_count": fragment.hit_count,
                                                "expires_at": fragment.expires_at})
         if fragment.expires_at > 0:
             ms = int(fragment.expires_at * 1000)
             p.pexpireat(self._k("frag", key), ms)
             p.pexpireat(self._k("meta", key), ms)
-        parent = fragment.parent_key or "_root"
-        try:
-            p.execute()
-            self._ok(server)
-            server = self.server_of(parent)
-            self._r.hset(self._k("children", parent), key,
-                         fragment.token_ids.astype("<i4").tobytes())
-        except self._errors as e:
-            self._failed("put", key, server, e)
-            raise StoreError(f"cannot write {key[:16]} to Redis: {e}") from e
+
+    def _successor(self, key: str, fragment: KVFragment) -> tuple[str, str, bytes]:
+        """HSET arguments naming `key` (and its tokens) in its parent's successor list."""
+        return (self._k("children", fragment.parent_key or "_root"), key,
+                fragment.token_ids.astype("<i4").tobytes())
 
     def touch(self, key: str, hit_count: int, expires_at: float, now: float | None = None) -> None:
         self.touch_many([(key, hit_count, expires_at)], now)
