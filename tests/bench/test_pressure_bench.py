@@ -23,4 +23,11 @@ def test_pressure_rows_keep_the_contract(tmp_path):
     assert by["leaf"]["orphan_bytes_max"] == 0 and by["unbounded"]["orphan_bytes_max"] == 0
     assert by["unbounded"]["reused_tokens"] >= max(by["lru"]["reused_tokens"],
                                                    by["leaf"]["reused_tokens"])
+    # the tier is a ratio of what the workload needs: freeing the tails a longer path repeats
+    # loses no reuse (the leaf index never full reuses what a cache that frees nothing does)
+    # and holds no more than it
+    u = by["unbounded"]
+    assert u["unique_reused_tokens"] == u["reused_tokens"]
+    assert 0 < u["kv_total_bytes"] <= u["kv_stored_bytes"] == u["held_bytes_end"]
+    assert by["leaf"]["capacity_bytes"] == u["kv_total_bytes"] // 3
     assert "orphan bytes max" in pressure_table({"pressure": rows, "redis": []})

@@ -7,7 +7,11 @@ run, on the same request sequence:
 
 - "lru": each tier evicts by its own LRU (the design before the prefix index);
 - "leaf": the prefix index evicts the least recently used leaf chunk first;
-- "unbounded": nothing is evicted (the ceiling of what reuse can reach).
+- "unbounded": nothing is evicted or freed (the ceiling of what reuse can reach).
+
+The RAM tier's capacity is the workload's KV over the ratio: every chunk and tail it stores,
+once (what the leaf index holds when it is never full, having freed only the tails a longer
+path repeats); a cache that frees nothing holds more (reported beside it).
 
 Reported per policy: reused tokens, hit rate (requests that reused any token), TTFT, and the
 most bytes held at any point that no lookup can reach ("orphans", counted by the prefix index
@@ -95,8 +99,11 @@ class Workload:
 def run_policy(adapter: KVAdapter, work: Workload, policy: str, capacity: int,
                cache_dir: Path, chunk_size: int) -> dict[str, Any]:
     """One pass of the workload through a RAM tier of `capacity` bytes under `policy`."""
+    # "unbounded" frees nothing (an LRU that is never full): what it holds at the end is all
+    # the KV the workload stored; "unique" is the leaf index never full, which frees only
+    # the tails a longer path repeats: the KV the workload needs
     cfg = CacheConfig(chunk_size=chunk_size, cache_dir=cache_dir,
-                      eviction="lru" if policy == "lru" else "leaf",
+                      eviction="leaf" if policy in ("leaf", "unique") else "lru",
                       ram_capacity_bytes=capacity)
     store = MemoryStore(capacity)
     kv = EdgeKV(adapter, store, cfg)
@@ -126,10 +133,18 @@ def run_policy(adapter: KVAdapter, work: Workload, policy: str, capacity: int,
 
 def run_pressure(adapter: KVAdapter, work: Workload, ratios: Sequence[float], tmp: Path,
                  chunk_size: int, engine: str, say: Callable[[str], None]) -> list[dict[str, Any]]:
-    """The unbounded run first (its KV total sizes the RAM tier), then each ratio's runs."""
+    """The unbounded runs first, then each ratio's runs. The workload's KV, which the RAM
+    tier's capacity is a ratio of, is what it needs: what the leaf index never full holds at
+    the end ("unique": every chunk and tail once, the tails a longer path repeats freed). What
+    a cache that frees nothing holds ("unbounded", the reuse ceiling) is reported beside it
+    (`kv_stored_bytes`): a tail shorter than a fragment's span is stored with the chunk before
+    it, so that is more, and a ratio of it would be a larger tier."""
     ceiling = run_policy(adapter, work, "unbounded", 1 << 40, tmp / f"{engine}-unb", chunk_size)
-    total = ceiling["held_bytes_end"]
-    say(f"{engine}: unbounded holds {total} B, reused {ceiling['reused_tokens']} tokens")
+    unique = run_policy(adapter, work, "unique", 1 << 40, tmp / f"{engine}-unique", chunk_size)
+    total = unique["held_bytes_end"]
+    say(f"{engine}: the workload needs {total} B of KV (reusing {unique['reused_tokens']}); "
+        f"a cache that frees nothing holds {ceiling['held_bytes_end']} B, reused "
+        f"{ceiling['reused_tokens']} tokens")
     rows = []
     for ratio in ratios:
         for policy in POLICIES:
@@ -137,6 +152,8 @@ def run_pressure(adapter: KVAdapter, work: Workload, ratios: Sequence[float], tm
                 adapter, work, policy, int(total / ratio), tmp / f"{engine}-{policy}-{ratio}",
                 chunk_size)
             row.update(ratio=ratio, engine=engine, kv_total_bytes=total,
+                       kv_stored_bytes=ceiling["held_bytes_end"],
+                       unique_reused_tokens=unique["reused_tokens"],
                        reused_vs_unbounded=round(row["reused_tokens"]
                                                  / max(1, ceiling["reused_tokens"]), 4))
             if engine == "fake":  # its clock measures nothing a user waits for
@@ -336,7 +353,7 @@ def index_rebuild(chunks: int, tmp: Path, per_chain: int = 100) -> dict[str, Any
 
 
 def run_pressure_bench(*, model: str | None = None, requests: int = 600,
-                       real_requests: int = 24, ratios: Sequence[float] = (3, 5, 10),
+                       real_requests: int = 96, ratios: Sequence[float] = (3, 5, 10),
                        redis: bool = True, rebuild_chunks: int = 100_000, seed: int = 0,
                        threads: int | None = None,
                        progress: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -392,7 +409,8 @@ def run_pressure_bench(*, model: str | None = None, requests: int = 600,
         "llama.cpp": {"conversations": 8, "docs": 2, "turns": 4, "doc_tokens": 256,
                       "question_tokens": 24, "max_tokens": 4, "chunk_size": 128,
                       "requests": real_requests, "model": model or "SmolLM2-135M (default)"},
-        "store": "RAM tier alone (MemoryStore), capacity = unbounded run's KV / ratio",
+        "store": "RAM tier alone (MemoryStore), capacity = the workload's KV (every chunk and "
+                 "tail once) / ratio",
     }
     return res
 
@@ -405,6 +423,10 @@ def pressure_table(res: dict[str, Any]) -> str:
              f"{r['reused_vs_unbounded']:.1%}", f"{r['hit_rate']:.1%}", ms(r["ttft_ms_mean"]),
              ms(r["ttft_ms_p95"]), r["orphan_bytes_max"]] for r in res["pressure"]]
     setup = res.get("setup", {})
+    kv = "; ".join(f"{eng}: {r['kv_total_bytes'] / 1e6:.2f} MB (every chunk and tail once; a "
+                   f"cache that frees nothing holds {r['kv_stored_bytes'] / 1e6:.2f} MB)"
+                   for eng, r in {r["engine"]: r for r in res["pressure"]
+                                  if "kv_stored_bytes" in r}.items())
     work = "; ".join(
         f"{eng}: {w['conversations']} conversations over {w['docs']} documents of "
         f"{w['doc_tokens']} tokens, {w['turns']} turns of {w['question_tokens']}-token questions "
@@ -413,7 +435,8 @@ def pressure_table(res: dict[str, Any]) -> str:
     out = ["Reuse under memory pressure (KV of the workload / RAM tier = ratio). The fake "
            "engine runs the large workload (reuse and orphans); TTFT is measured only on "
            "the real engine (llama.cpp), on a smaller workload. Conversations are picked "
-           f"with Zipf (s = 1) popularity and grow turn by turn. {work}. "
+           f"with Zipf (s = 1) popularity and grow turn by turn. {work}. The workload's KV "
+           f"(what the RAM tier's capacity is a ratio of): {kv or 'not recorded'}. "
            f"{setup.get('store', '')}. Load average at the end of the run: "
            f"{res.get('environment', {}).get('loadavg', 'not recorded')}.", "",
            table(["engine", "ratio", "policy", "reused tokens", "of unbounded", "hit rate",
@@ -440,9 +463,11 @@ def pressure_table(res: dict[str, Any]) -> str:
 
 
 def run_cli(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
-    """`edgekv bench pressure [--requests N] [--seed S] [--threads T] [--json PATH]`."""
+    """`edgekv bench pressure [--requests N] [--real-requests N] [--seed S] [--threads T]
+    [--json PATH]`."""
     res = run_pressure_bench(
         model=getattr(args, "model", None), requests=getattr(args, "requests", None) or 600,
+        real_requests=getattr(args, "real_requests", 96),
         seed=getattr(args, "seed", 0) or 0, threads=getattr(args, "threads", None),
         progress=lambda m: print(f"  {m}", file=sys.stderr, flush=True))
     return res, pressure_table(res)
@@ -453,10 +478,23 @@ def _p95(xs: Sequence[float]) -> float:
     return s[min(len(s) - 1, int(round(0.95 * (len(s) - 1))))]
 
 
+def _count(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: use a whole number") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{value}: use 0 or more")
+    return n
+
+
 def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
     p = bench_parser(sub, "pressure", "chains under memory pressure, the Redis tier's batched "
                      "walk, index rebuild", run_cli, threads="engine threads (default: all cores)")
     p.add_argument("--requests", type=int, default=600,
                    help="requests of the fake engine's workload (default 600)")
+    p.add_argument("--real-requests", type=_count, default=96,
+                   help="requests of the real engine's workload, at 3x only (default 96; 0: "
+                   "no real-engine run)")
     p.add_argument("--seed", type=int, default=0, help="workload RNG seed")
     return p
