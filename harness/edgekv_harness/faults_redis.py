@@ -64,6 +64,13 @@ class AckedRedisStore(RedisStore):
         super().put(key, fragment)
         self.acked.add(key)
 
+    def put_many(self, items: Sequence[tuple[str, KVFragment]]) -> None:
+        """The batched write (what the writeback stores through): acknowledged once it
+        returns (on a single Redis all of them at once, or none and `StoreError`; on a
+        cluster each by its own `put`)."""
+        super().put_many(items)
+        self.acked.update(key for key, _ in items)
+
     def get(self, key: str, now: float | None = None) -> KVFragment | None:
         frag = super().get(key, now)
         if frag is not None and self._armed is not None and (

@@ -89,3 +89,35 @@ def test_a_requests_chunks_are_written_in_one_round_trip(tmp_path, sends):
         assert match.n_tokens == 1024
         store.clear()
         store.close()
+
+
+def test_a_cluster_walk_asks_its_nodes_at_once(tmp_path, monkeypatch):
+    """The pipelines to the nodes of a read are in flight together: each send waits at a
+    barrier for the other nodes' sends, which a read asking one node after another never
+    reaches (the barrier breaks, the reads fail, the fragments are misses)."""
+    import threading
+
+    redis_kit.need_redis()
+    with redis_kit.cluster(tmp_path / "c") as c:
+        tokens = [(7 * i) % 250 + 1 for i in range(1025)]
+        store = RedisStore(c.url)
+        store.clear()
+        EdgeKV(FakeAdapter(), store, CacheConfig(chunk_size=128, cache_dir=tmp_path)).generate(
+            tokens, max_tokens=1)
+        keys = store.keys()
+        nodes = {store.server_of(k) for k in keys}
+        assert len(nodes) > 1  # the chunks live on several nodes
+        assert all(h is not None for h in store.get_many(keys))  # the pools warm up
+        barrier = threading.Barrier(len(nodes), timeout=10)
+        real = AbstractConnection.send_packed_command
+
+        def send(self, command, check_health=True):
+            barrier.wait()
+            return real(self, command, check_health)
+
+        monkeypatch.setattr(AbstractConnection, "send_packed_command", send)
+        hits = store.get_many(keys)
+        monkeypatch.undo()
+        assert all(h is not None for h in hits) and not barrier.broken
+        store.clear()
+        store.close()
