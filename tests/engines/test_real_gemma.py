@@ -3,8 +3,8 @@
 One cold run of a prompt longer than the 512-token window fills the cache; every test reads
 from it: warm equals cold bit for bit with only the window of the local layers injected, the
 disk store serves a new process, and broken or foreign entries are refused. Reuse is whole
-chunks: the batch-invariance probe fails for this model on the machines measured
-(docs/models.md), so whole chunks are what EdgeKV uses for it.
+chunks there (`reuse_granularity="chunk"`, what a build that fails the probe gets, and the
+window's layout at chunk boundaries); the patched build's probe on this model is the last test.
 """
 
 from __future__ import annotations
@@ -170,3 +170,24 @@ def test_torch_and_onnx_refuse_gemma_with_the_reason(engine):
         from edgekv.engines.onnx import OnnxAdapter as Adapter  # type: ignore[assignment]
     with pytest.raises(UnsupportedLayout, match="gemma-3-270m.*gemma3.*sliding-window"):
         Adapter("gemma3")
+
+
+def test_the_patched_build_is_batch_invariant_on_gemma():
+    """Gemma 3's Q4_K_M GGUF carries Q4_K (repacked on x86), Q6_K (tiled), Q5_0 and Q8_0
+    weights: the patched build's probe passes on it, a decode step included, whose Q4_K and
+    Q6_K products take one-row kernels in the batch's order (patches 0005, 0006). Asserted
+    on the CPUs those kernels were measured on (x86 with AVX2, no AVX512: a build with
+    AVX512-VNNI keeps the tiles for Q6_K); elsewhere the probe decides at run time."""
+    from edgekv.engines import probe
+
+    a = LlamaCppAdapter("gemma3", n_ctx=probe.LONG_PROBE_TOKENS + 256)
+    try:
+        info = a.build_info()
+        res = probe.probe_batch_invariance(a)
+    finally:
+        a.close()
+    measured = "AVX2 = 1" in info and "AVX512 = 1" not in info
+    if not measured and not res.invariant:
+        pytest.skip(f"not batch-invariant on this CPU ({', '.join(res.failed)}): {info}")
+    assert res.invariant, (res.failed, info)
+    assert any("decode" in name for name, _, _ in res.results)
