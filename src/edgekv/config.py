@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
+from .fragment import MAX_SPAN, MIN_SPAN
 
 __all__ = ["CacheConfig", "config_default", "default_cache_dir"]
 
@@ -25,7 +26,8 @@ def default_cache_dir() -> Path:
 
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
-    # Tokens per chunk. Seed: 128-token fragments; the fragment invariant allows [64, 2048].
+    # Tokens per chunk. Seed: 128-token fragments; a full chunk spans [64, 2048] tokens
+    # (`fragment.MIN_SPAN`, `MAX_SPAN`; only a chain's trailing partial chunk is shorter).
     chunk_size: int = 128
     # Layers per stored fragment; 0 means all layers in one fragment. A prefix is reusable only
     # when every layer of every chunk is present, so splitting trades lookups for flexibility.
@@ -97,9 +99,10 @@ class CacheConfig:
     cache_dir: Path = field(default_factory=default_cache_dir)
 
     def __post_init__(self) -> None:
-        if not 64 <= self.chunk_size <= 2048:
+        if not MIN_SPAN <= self.chunk_size <= MAX_SPAN:
             raise ConfigError(
-                f"chunk_size={self.chunk_size} is outside [64, 2048] (the fragment span range); "
+                f"chunk_size={self.chunk_size} is outside [{MIN_SPAN}, {MAX_SPAN}] (a full "
+                "chunk's span range); "
                 "pick e.g. 128"
             )
         if self.layers_per_fragment < 0:

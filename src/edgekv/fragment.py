@@ -22,10 +22,16 @@ from .errors import FragmentError
 from .keys import token_bytes
 
 __all__ = ["KVFragment", "MAX_SPAN", "MIN_SPAN", "PASSAGE_MIN_SPAN", "PASSAGE_PARENT",
-           "common_prefix", "content_hash", "next_expiry"]
+           "TAIL_MIN_SPAN", "common_prefix", "content_hash", "next_expiry"]
 
-MIN_SPAN = 64  # seed: token span in [64, 2048]
+# a full chunk's span (`CacheConfig.chunk_size`): the seed's [64, 2048] tokens
+MIN_SPAN = 64
 MAX_SPAN = 2048
+# a chain's trailing partial chunk (the tokens after its last full chunk, `Writeback`) hangs
+# off that chunk on its own, however short: stored beside the chunk before it instead, it
+# would hold that chunk's KV twice. A fragment does not know its chunk size, so a chain
+# fragment's span is checked against this minimum; chunk sizes are checked by the config.
+TAIL_MIN_SPAN = 1
 # passage reuse's fragments (`passages`: one passage's own KV, never part of a chain) carry
 # this parent key and have a minimum of their own: a RAG passage is often a sentence or two
 PASSAGE_PARENT = "passages"
@@ -75,9 +81,14 @@ class KVFragment:
         span = self.token_end - self.token_start
         if self.token_start < 0:
             raise _fail("token_start", self.token_start, ">= 0")
-        lo = PASSAGE_MIN_SPAN if self.parent_key == PASSAGE_PARENT else MIN_SPAN
+        if self.parent_key == PASSAGE_PARENT:
+            lo, what = PASSAGE_MIN_SPAN, "a passage"
+        else:
+            lo, what = TAIL_MIN_SPAN, (f"a chain's full chunk spans the chunk size "
+                                       f"[{MIN_SPAN}, {MAX_SPAN}], its trailing partial chunk "
+                                       f"at least {TAIL_MIN_SPAN}")
         if not lo <= span <= MAX_SPAN:
-            raise _fail("token_end - token_start", span, f"[{lo}, {MAX_SPAN}] tokens")
+            raise _fail("token_end - token_start", span, f"[{lo}, {MAX_SPAN}] tokens ({what})")
         if self.layer_stride < 1:
             raise _fail("layer_stride", self.layer_stride, ">= 1")
         if self.n_layer_model < 1:

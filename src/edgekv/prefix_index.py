@@ -112,6 +112,10 @@ class PrefixIndex:
         self._by_name: dict[str, Node] = {}
         self._lock = threading.RLock()
         self._cascading = False
+        # pinned tails a newer path repeats (`_supersede`), each with the node whose path
+        # repeats it: freed when their last pin goes (a chat turn pins the tail it reuses
+        # while its own longer tail is stored)
+        self._superseded: dict[str, tuple[Node, Node]] = {}
         self.evictions = 0  # nodes evicted from a tier by `evict`
         # per tier, the eviction candidates by (last access, -end, key): pushed whenever a
         # node's access, pins or what its tier and its children hold changes; a popped entry
@@ -136,6 +140,7 @@ class PrefixIndex:
         with self._lock:
             self._nodes.clear()
             self._by_name.clear()
+            self._superseded.clear()
             for i, tier in enumerate(self.tiers):
                 by_chain: dict[str, list[tuple[str, int]]] = {}
                 for e in tier.entries():
@@ -210,8 +215,10 @@ class PrefixIndex:
                   chunk_size: int, min_gain: int) -> Successor | None:
         """The stored chunk after the first `len(path)` chunks of the chain (under `root`)
         whose leading tokens match `ids` furthest, if it restores at least `min_gain` more
-        tokens (up to `limit`). Candidates are the children of the last two chunks: a tail
-        shorter than a fragment's minimum span is stored with the chunk before it."""
+        tokens (up to `limit`). Candidates are the children of the last chunk (the tails
+        and chunks that follow it) and of the one before it: a cache written before every
+        tail hung off its last full chunk holds tails shorter than a full chunk's minimum
+        span (`fragment.MIN_SPAN`) stored together with the chunk before them."""
         c, n = chunk_size, len(path)
         best: Successor | None = None
         with self._lock:
@@ -227,6 +234,18 @@ class PrefixIndex:
                     if gain > 0 and gain >= min_gain:
                         best = Successor(child.key, k0, end)
         return best
+
+    def covers(self, parent: str, start: int, tokens: Sequence[int] | np.ndarray) -> bool:
+        """Whether a held chunk under `parent` from position `start` holds `tokens` and
+        possibly more (they are its leading tokens): their KV is held already, since the same
+        tokens after the same prefix have the same KV, and storing them would hold it twice."""
+        ids = np.asarray(tokens, np.int32)
+        with self._lock:
+            up = self._nodes.get(parent)
+            return up is not None and any(
+                child.held and child.start == start and len(child.tokens) >= len(ids)
+                and np.array_equal(child.tokens[: len(ids)], ids)
+                for child in up.children.values())
 
     def pin(self, keys: Iterable[str]) -> Lease:
         """Pin the nodes of `keys` (a request's path) until `Lease.release`."""
@@ -312,7 +331,10 @@ class PrefixIndex:
         tail gives, the path gives too (the radix step compares tokens from the tail's
         start, and the same tokens at the same positions after the same prefix have the
         same KV), so it only takes room: a chat turn's partial tail, once the next turn
-        has filled its chunk or stored a longer tail of the same chunk."""
+        has filled its chunk or stored a longer tail of the same chunk. (A tail under the
+        grandparent is one an older cache stored together with the chunk before it.) A
+        pinned tail (the one that turn reused, pinned until its answer is stored) is freed
+        when its last pin goes (`unpin`)."""
         c = self.chunk_size
         if not c:
             return
@@ -322,11 +344,14 @@ class PrefixIndex:
             if anchor is None or not level.held:
                 return
             for leaf in list(anchor.children.values()):
-                if (leaf is not level and not leaf.children and not leaf.lock_ref
+                if (leaf is not level and not leaf.children
                         and len(leaf.tokens) != c and leaf.held and leaf.start == level.start
                         and len(leaf.tokens) < len(tokens)
                         and np.array_equal(leaf.tokens, tokens[: len(leaf.tokens)])):
-                    self._free_subtree(leaf)
+                    if leaf.lock_ref:
+                        self._superseded[leaf.key] = (leaf, node)
+                    else:
+                        self._free_subtree(leaf)
             level, tokens = anchor, np.concatenate([anchor.tokens, tokens])
             if level.root:
                 return
@@ -459,4 +484,10 @@ class PrefixIndex:
                 n.lock_ref -= 1
                 if not n.lock_ref:
                     self._mark(n)
+                    leaf, by = self._superseded.pop(n.key, (None, None))
+                    if (leaf is n and by is not None and self._nodes.get(n.key) is n
+                            and self._nodes.get(by.key) is by and by.held and n.held
+                            and not n.children):  # what repeats it is still held
+                        self._free_subtree(n)
+                        continue
                 self._prune(n)

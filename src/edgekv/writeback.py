@@ -22,7 +22,7 @@ import numpy as np
 from .config import CacheConfig
 from .engines.base import FragmentSpec, KVAdapter
 from .errors import EngineError, FragmentError, StoreError
-from .fragment import MAX_SPAN, MIN_SPAN, KVFragment, next_expiry
+from .fragment import KVFragment, next_expiry
 from .keys import chain_of, next_key
 from .lookup import ChunkReader, PrefixMatch, Router
 from .prefix_index import PrefixIndex
@@ -60,16 +60,18 @@ class Writeback:
         for i, key in enumerate(keys):
             if (i + 1) * c > cached:
                 spans.append((key, keys[i - 1] if i else root, i * c, (i + 1) * c))
-        tail = len(tokens) - len(keys) * c
-        if tail and (self.router is not None or self.config.partial_reuse or self.token_exact):
-            # the tokens after the last full chunk, found again by semantic search and verified
-            # token by token; a tail shorter than a fragment's minimum span is stored together
-            # with the chunk before it (that chunk's KV is then held twice)
-            k = len(keys) if tail >= MIN_SPAN else len(keys) - 1
-            if k >= 0 and len(tokens) - k * c <= MAX_SPAN:
-                parent, start = (keys[k - 1] if k else root), k * c
-                spans.append((next_key(parent, self.fingerprint, tokens[start:]), parent, start,
-                              len(tokens)))
+        start = len(keys) * c
+        if len(tokens) > start and (self.router is not None or self.config.partial_reuse
+                                    or self.token_exact):
+            # the tokens after the last full chunk (however few: `TAIL_MIN_SPAN`), hanging off
+            # it on their own, found again by the radix step and verified token by token; the
+            # next turn's longer tail or full chunk supersedes it (`PrefixIndex.insert`)
+            # (not where a stored tail from the same start already holds these tokens and
+            # more: the same request with fewer tokens to generate, say)
+            parent = keys[-1] if keys else root
+            if not self.index.covers(parent, start, tokens[start:]):
+                spans.append((next_key(parent, self.fingerprint, tokens[start:]), parent,
+                              start, len(tokens)))
         specs = [FragmentSpec(key, lo, hi, glo, ghi, parent_key=parent)
                  for key, parent, lo, hi in spans
                  for glo, ghi in self.reader.layer_groups

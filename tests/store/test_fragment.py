@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from edgekv import FragmentError
-from edgekv.fragment import content_hash, next_expiry
+from edgekv.fragment import PASSAGE_PARENT, content_hash, next_expiry
 
 
 def test_valid_fragment_derives_hash_and_sizes(fragment_factory):
@@ -13,10 +13,25 @@ def test_valid_fragment_derives_hash_and_sizes(fragment_factory):
     assert list(f.layer_indices) == [0, 1, 2, 3]
 
 
-@pytest.mark.parametrize("span", [63, 2049])
+@pytest.mark.parametrize("span", [0, 2049])
 def test_span_out_of_range_names_field_value_and_range(fragment_factory, span):
-    with pytest.raises(FragmentError, match=rf"token_end - token_start={span}.*\[64, 2048\]"):
+    with pytest.raises(FragmentError, match=rf"token_end - token_start={span}.*\[1, 2048\] "
+                       r"tokens \(a chain's full chunk spans the chunk size \[64, 2048\], its "
+                       r"trailing partial chunk at least 1\)"):
         fragment_factory(span=span)
+
+
+@pytest.mark.parametrize("span", [1, 10, 63])
+def test_a_trailing_partial_chunk_may_be_shorter_than_a_full_chunk(fragment_factory, span):
+    """A chain's tail hangs off its last full chunk on its own, however short (`Writeback`)."""
+    f = fragment_factory(span=span, start=128, parent_key="chunk-1")
+    assert (f.span, f.token_end, len(f.token_ids)) == (span, 128 + span, span)
+    assert f.keys.shape == (4, span, 8)
+
+
+def test_a_passage_span_out_of_range_names_its_own_range(fragment_factory):
+    with pytest.raises(FragmentError, match=r"=2049 .*\[1, 2048\] tokens \(a passage\)"):
+        fragment_factory(span=2049, parent_key=PASSAGE_PARENT)
 
 
 def test_layer_end_beyond_model(fragment_factory):

@@ -137,8 +137,8 @@ def run_pressure(adapter: KVAdapter, work: Workload, ratios: Sequence[float], tm
     tier's capacity is a ratio of, is what it needs: what the leaf index never full holds at
     the end ("unique": every chunk and tail once, the tails a longer path repeats freed). What
     a cache that frees nothing holds ("unbounded", the reuse ceiling) is reported beside it
-    (`kv_stored_bytes`): a tail shorter than a fragment's span is stored with the chunk before
-    it, so that is more, and a ratio of it would be a larger tier."""
+    (`kv_stored_bytes`): it keeps every tail a later turn repeats, so that is more, and a
+    ratio of it would be a larger tier."""
     ceiling = run_policy(adapter, work, "unbounded", 1 << 40, tmp / f"{engine}-unb", chunk_size)
     unique = run_policy(adapter, work, "unique", 1 << 40, tmp / f"{engine}-unique", chunk_size)
     total = unique["held_bytes_end"]
