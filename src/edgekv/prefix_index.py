@@ -272,6 +272,7 @@ class PrefixIndex:
                         or neg_end != -node.end or not self._evictable(node, tier)):
                     continue  # stale: a newer entry describes it, or it is not a leaf now
                 self._drop(node, tier)  # its parent is pushed, should it be a leaf now
+                self.tiers[tier].count_evictions(len(node.names))  # the tier's own stats
                 freed += node.nbytes
                 self.evictions += 1
         return freed

@@ -267,6 +267,7 @@ def test_the_memory_tier_asks_the_index_for_room():
     index, d, a1, a2, b1, size = tree(store)  # 4 chunks into room for 3
     assert store.keys() == [d, a1, b1] or sorted(store.keys()) == sorted([d, a1, b1])
     assert index.orphan_bytes() == 0 and store.stats().bytes <= store.capacity_bytes
+    assert store.stats().evictions == index.evictions == 1  # what `cache stats` reports
 
 
 def test_the_disk_tier_evicts_leaves_too(tmp_path):
@@ -274,7 +275,7 @@ def test_the_disk_tier_evicts_leaves_too(tmp_path):
     disk = DiskStore(tmp_path, int(3.5 * one))  # blobs differ by a few bytes: room for 3
     index, d, a1, a2, b1, size = tree(disk)
     assert set(disk.keys()) == {d, a1, b1}  # A2, the oldest leaf, went; D, the oldest, stays
-    assert index.orphan_bytes() == 0
+    assert index.orphan_bytes() == 0 and disk.stats().evictions == index.evictions == 1
 
 
 def _chat(kv: EdgeKV, rounds: int, seed: int = 0) -> tuple[int, int]:

@@ -94,8 +94,9 @@ def test_expiry_and_eviction_leave_no_dangling_index_entries(tmp_path):
     for i in range(6):
         kv2.generate(f"Document {i}. " + CONTEXT + f"Question {i}?", max_tokens=1)
     disk = kv2.store.tiers[-1]
-    # evicted by the prefix index (leaves first) or, past what it knows, by the tier itself
-    assert kv2.index.evictions + disk.stats().evictions > 0
+    # evicted by the prefix index (leaves first) or, past what it knows, by the tier itself:
+    # the tier counts both
+    assert disk.stats().evictions > 0
     assert len(disk.keys()) < 6 * 6  # six prompts of five chunks and a tail each: not all kept
     assert set(kv2.router.index.keys()) <= {k.split(".")[0] for k in disk.keys()}
     kv2.close()

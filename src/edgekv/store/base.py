@@ -144,6 +144,10 @@ class FragmentStore(Protocol):
         tier without a capacity of its own is never over it."""
         return 0
 
+    def count_evictions(self, n: int) -> None:
+        """Count `n` entries its evictor (the prefix index) deleted to make room, in
+        `stats().evictions`. Default: a tier that keeps no such count ignores it."""
+
     def entries(self) -> list[Entry]:
         """What the tier holds, from its own index (no fragment read). Default: a tier that
         cannot list cheaply lists nothing, and the prefix index learns its entries as they

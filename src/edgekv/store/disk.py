@@ -314,6 +314,10 @@ class DiskStore(FragmentStore):
         return [Entry(k, p, np.frombuffer(t, dtype="<i4"), int(s), int(n), float(a), fp)
                 for k, p, t, s, n, a, fp in rows]
 
+    def count_evictions(self, n: int) -> None:
+        with self._lock:
+            self._stats.evictions += n
+
     def excess_bytes(self) -> int:
         with self._lock:
             total = self._db.execute("SELECT COALESCE(SUM(nbytes),0) FROM entries_v2").fetchone()[0]

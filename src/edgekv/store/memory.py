@@ -97,6 +97,10 @@ class MemoryStore(FragmentStore):
                         self._stats.evictions += 1
                 return
 
+    def count_evictions(self, n: int) -> None:
+        with self._lock:
+            self._stats.evictions += n
+
     def excess_bytes(self) -> int:
         with self._lock:
             return max(0, self._bytes - self.capacity_bytes)
