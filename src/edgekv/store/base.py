@@ -147,6 +147,7 @@ class FragmentStore(Protocol):
     def count_evictions(self, n: int) -> None:
         """Count `n` entries its evictor (the prefix index) deleted to make room, in
         `stats().evictions`. Default: a tier that keeps no such count ignores it."""
+        return None
 
     def entries(self) -> list[Entry]:
         """What the tier holds, from its own index (no fragment read). Default: a tier that
