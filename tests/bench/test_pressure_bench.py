@@ -31,3 +31,34 @@ def test_pressure_rows_keep_the_contract(tmp_path):
     assert 0 < u["kv_total_bytes"] <= u["kv_stored_bytes"] == u["held_bytes_end"]
     assert by["leaf"]["capacity_bytes"] == u["kv_total_bytes"] // 3
     assert "orphan bytes max" in pressure_table({"pressure": rows, "redis": []})
+
+
+def test_tiers_from_an_earlier_run_size_the_ram_tier(tmp_path):
+    """`--tiers-from`: each ratio's tier as an earlier run's JSON sized it (two versions of
+    the cache on the same RAM); a file that is not such a run is refused with the reason."""
+    import json
+
+    import pytest
+
+    from edgekv.bench.pressure import earlier_tiers
+    from edgekv.errors import EdgeKVError
+
+    work = Workload.make(conversations=4, docs=2, turns=2, doc_tokens=128, question_tokens=16,
+                         requests=8, max_tokens=4, vocab=(1, 250), seed=2)
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"pressure": [
+        {"engine": "fake", "ratio": 3, "policy": p, "capacity_bytes": 12345}
+        for p in ("lru", "leaf")] + [
+        {"engine": "fake", "ratio": 3, "policy": "unbounded", "capacity_bytes": 1 << 40}]}))
+    tiers = earlier_tiers(earlier)
+    assert tiers == {("fake", 3.0): 12345}
+    rows = run_pressure(FakeAdapter(), work, (3,), tmp_path / "run", 64, "fake",
+                        lambda _m: None, tiers)
+    assert {r["policy"]: r["capacity_bytes"] for r in rows if r["policy"] != "unbounded"} == {
+        "lru": 12345, "leaf": 12345}
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(EdgeKVError, match=r"--tiers-from .*bad.json: not a `bench pressure` JSON"):
+        earlier_tiers(bad)
+    with pytest.raises(EdgeKVError, match="not a `bench pressure` JSON"):
+        earlier_tiers(tmp_path / "missing.json")

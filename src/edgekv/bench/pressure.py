@@ -26,6 +26,7 @@ disk tier of 100k chunks.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import queue
 import random
@@ -132,13 +133,16 @@ def run_policy(adapter: KVAdapter, work: Workload, policy: str, capacity: int,
 
 
 def run_pressure(adapter: KVAdapter, work: Workload, ratios: Sequence[float], tmp: Path,
-                 chunk_size: int, engine: str, say: Callable[[str], None]) -> list[dict[str, Any]]:
+                 chunk_size: int, engine: str, say: Callable[[str], None],
+                 tiers: dict[tuple[str, float], int] | None = None) -> list[dict[str, Any]]:
     """The unbounded runs first, then each ratio's runs. The workload's KV, which the RAM
     tier's capacity is a ratio of, is what it needs: what the leaf index never full holds at
     the end ("unique": every chunk and tail once, the tails a longer path repeats freed). What
     a cache that frees nothing holds ("unbounded", the reuse ceiling) is reported beside it
     (`kv_stored_bytes`): it keeps every tail a later turn repeats, so that is more, and a
-    ratio of it would be a larger tier."""
+    ratio of it would be a larger tier. `tiers` ((engine, ratio) -> bytes, `earlier_tiers`):
+    each ratio's RAM tier as an earlier run sized it instead, to compare two versions of the
+    cache on the same RAM."""
     ceiling = run_policy(adapter, work, "unbounded", 1 << 40, tmp / f"{engine}-unb", chunk_size)
     unique = run_policy(adapter, work, "unique", 1 << 40, tmp / f"{engine}-unique", chunk_size)
     total = unique["held_bytes_end"]
@@ -148,9 +152,9 @@ def run_pressure(adapter: KVAdapter, work: Workload, ratios: Sequence[float], tm
     rows = []
     for ratio in ratios:
         for policy in POLICIES:
+            capacity = (tiers or {}).get((engine, float(ratio))) or int(total / ratio)
             row = dict(ceiling) if policy == "unbounded" else run_policy(
-                adapter, work, policy, int(total / ratio), tmp / f"{engine}-{policy}-{ratio}",
-                chunk_size)
+                adapter, work, policy, capacity, tmp / f"{engine}-{policy}-{ratio}", chunk_size)
             row.update(ratio=ratio, engine=engine, kv_total_bytes=total,
                        kv_stored_bytes=ceiling["held_bytes_end"],
                        unique_reused_tokens=unique["reused_tokens"],
@@ -356,6 +360,7 @@ def run_pressure_bench(*, model: str | None = None, requests: int = 600,
                        real_requests: int = 96, ratios: Sequence[float] = (3, 5, 10),
                        redis: bool = True, rebuild_chunks: int = 100_000, seed: int = 0,
                        threads: int | None = None,
+                       tiers: dict[tuple[str, float], int] | None = None,
                        progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     from ..engines.fake import FakeAdapter
     from ..errors import EdgeKVError
@@ -375,7 +380,7 @@ def run_pressure_bench(*, model: str | None = None, requests: int = 600,
                              question_tokens=32, requests=requests, max_tokens=8,
                              vocab=(1, 250), seed=seed)
         res["pressure"] += run_pressure(FakeAdapter(n_ctx=4096), fake, ratios, tmp, 64,
-                                        "fake", say)
+                                        "fake", say, tiers)
         if real_requests:
             from ..engines.llamacpp import LlamaCppAdapter
 
@@ -384,7 +389,7 @@ def run_pressure_bench(*, model: str | None = None, requests: int = 600,
                                  question_tokens=24, requests=real_requests, max_tokens=4,
                                  vocab=(1000, 20000), seed=seed)
             res["pressure"] += run_pressure(adapter, real, ratios[:1], tmp, 128, "llama.cpp",
-                                            say)
+                                            say, tiers)
         if redis:
             with rs.server(tmp / "redis") as one:
                 res["redis"] += redis_hits(one.url, "redis", (256, 1024), 10, tmp)
@@ -409,7 +414,9 @@ def run_pressure_bench(*, model: str | None = None, requests: int = 600,
         "llama.cpp": {"conversations": 8, "docs": 2, "turns": 4, "doc_tokens": 256,
                       "question_tokens": 24, "max_tokens": 4, "chunk_size": 128,
                       "requests": real_requests, "model": model or "SmolLM2-135M (default)"},
-        "store": "RAM tier alone (MemoryStore), capacity = the workload's KV (every chunk and "
+        "store": ("RAM tier alone (MemoryStore), capacity = an earlier run's tier at the same "
+                  "engine and ratio (--tiers-from; the ratio is that run's)") if tiers else
+                 "RAM tier alone (MemoryStore), capacity = the workload's KV (every chunk and "
                  "tail once) / ratio",
     }
     return res
@@ -462,14 +469,45 @@ def pressure_table(res: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def earlier_tiers(path: str | Path) -> dict[tuple[str, float], int]:
+    """The RAM tier of each (engine, ratio) in an earlier run's JSON (`--tiers-from`)."""
+    from ..errors import EdgeKVError
+
+    try:
+        rows = json.loads(Path(path).read_text(encoding="utf-8"))["pressure"]
+        tiers = {(str(r["engine"]), float(r["ratio"])): int(r["capacity_bytes"])
+                 for r in rows if r["policy"] != "unbounded"}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise EdgeKVError(f"--tiers-from {path}: not a `bench pressure` JSON with its "
+                          f"pressure rows ({type(e).__name__}: {e})") from None
+    if not tiers:
+        raise EdgeKVError(f"--tiers-from {path}: no bounded rows (policy lru or leaf) in it")
+    return tiers
+
+
 def run_cli(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     """`edgekv bench pressure [--requests N] [--real-requests N] [--seed S] [--threads T]
-    [--json PATH]`."""
+    [--tiers-from JSON] [--no-redis] [--rebuild-chunks N] [--json PATH]`."""
+    from ..errors import EdgeKVError
+
+    real_requests = getattr(args, "real_requests", 96)
+    tiers = None
+    if getattr(args, "tiers_from", None):
+        tiers = earlier_tiers(args.tiers_from)
+        wanted = [("fake", r) for r in (3.0, 5.0, 10.0)] + (
+            [("llama.cpp", 3.0)] if real_requests else [])
+        missing = [f"{e} {r:g}x" for e, r in wanted if (e, r) not in tiers]
+        if missing:
+            raise EdgeKVError(f"--tiers-from {args.tiers_from}: no tier for "
+                              f"{', '.join(missing)} (--real-requests 0 skips the real engine)")
     res = run_pressure_bench(
         model=getattr(args, "model", None), requests=getattr(args, "requests", None) or 600,
-        real_requests=getattr(args, "real_requests", 96),
+        real_requests=real_requests, redis=getattr(args, "redis", True),
+        rebuild_chunks=getattr(args, "rebuild_chunks", 100_000),
         seed=getattr(args, "seed", 0) or 0, threads=getattr(args, "threads", None),
-        progress=lambda m: print(f"  {m}", file=sys.stderr, flush=True))
+        tiers=tiers, progress=lambda m: print(f"  {m}", file=sys.stderr, flush=True))
+    if tiers is not None:
+        res["tiers_from"] = str(args.tiers_from)
     return res, pressure_table(res)
 
 
@@ -497,4 +535,12 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
                    help="requests of the real engine's workload, at 3x only (default 96; 0: "
                    "no real-engine run)")
     p.add_argument("--seed", type=int, default=0, help="workload RNG seed")
+    p.add_argument("--tiers-from", metavar="JSON",
+                   help="size each ratio's RAM tier as this earlier run's JSON did (same "
+                   "engine and ratio) instead of from this run's workload KV: two versions of "
+                   "the cache on the same RAM")
+    p.add_argument("--no-redis", dest="redis", action="store_false",
+                   help="skip the Redis rows (a real redis-server and a 3-node cluster)")
+    p.add_argument("--rebuild-chunks", type=_count, default=100_000,
+                   help="chunks of the index-rebuild row (default 100000; 0: skip it)")
     return p
