@@ -82,16 +82,21 @@ class Successor:
 
 class Lease:
     """Pins on the nodes of one request's path (`PrefixIndex.pin`). `release` unpins them
-    (once; later calls do nothing); a lease dropped unreleased (a request that raised) is
-    released when it is collected, so a pin never outlives its request."""
+    (once; later calls do nothing) and frees the tails a newer path repeats that only these
+    pins kept; a lease dropped unreleased (a request that raised) is released when it is
+    collected, so a pin never outlives its request. That release only drops the pins (the
+    collector may run while a tier's lock is held): what it leaves to free, the index's next
+    insert frees."""
 
-    __slots__ = ("__weakref__", "_release")
+    __slots__ = ("__weakref__", "_index", "_release")
 
     def __init__(self, index: PrefixIndex, nodes: list[Node]) -> None:
+        self._index = index
         self._release = weakref.finalize(self, index.unpin, nodes)
 
     def release(self) -> None:
         self._release()
+        self._index.free_superseded()
 
 
 class PrefixIndex:
@@ -113,8 +118,8 @@ class PrefixIndex:
         self._lock = threading.RLock()
         self._cascading = False
         # pinned tails a newer path repeats (`_supersede`), each with the node whose path
-        # repeats it: freed when their last pin goes (a chat turn pins the tail it reuses
-        # while its own longer tail is stored)
+        # repeats it: freed once their last pin goes (a chat turn pins the tail it reuses
+        # while its own longer tail is stored), by `free_superseded`
         self._superseded: dict[str, tuple[Node, Node]] = {}
         self.evictions = 0  # nodes evicted from a tier by `evict`
         # per tier, the eviction candidates by (last access, -end, key): pushed whenever a
@@ -163,6 +168,7 @@ class PrefixIndex:
         """Record a chunk just stored under `names` (`Writeback`): which tiers took it. With
         the leaf policy, one that hangs off a chain no lookup can reach is freed at once."""
         with self._lock:
+            self.free_superseded()  # left by a lease the collector released
             node = self._place(key, parent, start, np.asarray(tokens, np.int32))
             node.names, node.nbytes, node.last_access = tuple(names), nbytes, now
             self._by_name.update(dict.fromkeys(node.names, node))
@@ -227,8 +233,8 @@ class PrefixIndex:
                 if parent is None:
                     continue
                 for child in parent.children.values():
-                    if not child.held or child.start != k0 * c:
-                        continue
+                    if not child.held or child.start != k0 * c or self._repeated(child):
+                        continue  # (a tail a held path repeats: that path matches as far)
                     end = k0 * c + common_prefix(child.tokens, ids[k0 * c : limit])
                     gain = end - max(n * c, best.end if best else 0)
                     if gain > 0 and gain >= min_gain:
@@ -485,10 +491,32 @@ class PrefixIndex:
                 n.lock_ref -= 1
                 if not n.lock_ref:
                     self._mark(n)
-                    leaf, by = self._superseded.pop(n.key, (None, None))
-                    if (leaf is n and by is not None and self._nodes.get(n.key) is n
-                            and self._nodes.get(by.key) is by and by.held and n.held
-                            and not n.children):  # what repeats it is still held
-                        self._free_subtree(n)
-                        continue
-                self._prune(n)
+                if n.key not in self._superseded:
+                    self._prune(n)
+
+    def free_superseded(self) -> int:
+        """Free the superseded tails no request pins any more (`_supersede`) whose newer path
+        is still held and reachable; return how many. Kept: one that path no longer covers."""
+        freed = 0
+        with self._lock:
+            for key, (leaf, by) in list(self._superseded.items()):
+                if leaf.lock_ref:
+                    continue
+                del self._superseded[key]
+                if self._repeats(by, leaf):
+                    self._free_subtree(leaf)
+                    freed += 1
+                else:
+                    self._prune(leaf)
+        return freed
+
+    def _repeats(self, by: Node, leaf: Node) -> bool:
+        """Whether `by`'s path still stands for superseded `leaf`: both in the index, `by`
+        held and reachable, `leaf` a held leaf."""
+        return (self._nodes.get(leaf.key) is leaf and self._nodes.get(by.key) is by
+                and bool(leaf.held) and not leaf.children and self._reachable(by))
+
+    def _repeated(self, node: Node) -> bool:
+        """A superseded tail whose newer path still stands (`successor` skips it)."""
+        entry = self._superseded.get(node.key)
+        return entry is not None and entry[0] is node and self._repeats(entry[1], node)

@@ -61,8 +61,11 @@ class Writeback:
             if (i + 1) * c > cached:
                 spans.append((key, keys[i - 1] if i else root, i * c, (i + 1) * c))
         start = len(keys) * c
-        if len(tokens) > start and (self.router is not None or self.config.partial_reuse
-                                    or self.token_exact):
+        # (where reuse may not end at any token and nothing routes by meaning, a tail shorter
+        # than `min_reuse_tokens` could never be reused: the radix step asks for that many)
+        least = 1 if self.token_exact or self.router is not None else self.config.min_reuse_tokens
+        if len(tokens) - start >= least and (self.router is not None or self.config.partial_reuse
+                                             or self.token_exact):
             # the tokens after the last full chunk (however few: `TAIL_MIN_SPAN`), hanging off
             # it on their own, found again by the radix step and verified token by token; the
             # next turn's longer tail or full chunk supersedes it (`PrefixIndex.insert`)

@@ -154,6 +154,66 @@ def test_a_longer_tail_frees_the_shorter_tail_it_extends():
     assert store.contains(d_key) and index.orphan_bytes() == 0
 
 
+def _tail(store, index: PrefixIndex, parent: str, start: int, ids: np.ndarray,
+          now: float) -> str:
+    key = next_key(parent, FP, ids)
+    kv = np.zeros((1, len(ids), 4), np.float16)
+    put(store, index, key, KVFragment(
+        model_fingerprint=FP, chain_key=key, parent_key=parent, token_start=start,
+        token_end=start + len(ids), layer_start=0, layer_end=1, layer_stride=1,
+        n_layer_model=1, token_ids=ids, keys=kv, values=kv), now)
+    return key
+
+
+def test_a_pinned_tail_a_longer_one_repeats_goes_when_its_request_lets_go():
+    """A chat turn pins the tail it reuses while it stores its own, longer one: the first is
+    freed once the turn releases it, not before; while pinned the radix step names the longer
+    one. A lease the collector releases only drops its pins (it may run while a tier's lock
+    is held): the index's next insert frees the tail."""
+    turn = np.arange(100, 200, dtype=np.int32)
+    for collected in (False, True):
+        store = MemoryStore(10**9)
+        index = PrefixIndex(store, FP, whole, chunk_size=64)
+        d_key, d = chunk("", 0, 1)
+        put(store, index, d_key, d, 0.0)
+        first = _tail(store, index, d_key, 64, turn[:10], 1.0)
+        lease = index.pin([d_key, first])
+        second = _tail(store, index, d_key, 64, turn[:30], 2.0)
+        assert store.contains(first) and store.contains(second)  # pinned: kept for now
+        got = index.successor("", [d_key], np.concatenate([d.token_ids, turn[:50]]), 200,
+                              64, 1)
+        assert got is not None and (got.key, got.end) == (second, 94)
+        ids = np.concatenate([d.token_ids, turn[:10], [999] * 5]).astype(np.int32)
+        got = index.successor("", [d_key], ids, 200, 64, 1)  # both match to 74: not the
+        assert got is not None and (got.key, got.end) == (second, 74)  # one on its way out
+        if collected:
+            index.unpin(lease._release.detach()[2][0])  # what the collector's finalizer does
+            assert store.contains(first)
+            _tail(store, index, d_key, 64, np.array([5, 6], np.int32), 3.0)  # any insert
+        else:
+            lease.release()
+        assert not store.contains(first) and store.contains(second)
+        assert index.orphan_bytes() == 0 and len(index) == 2 + collected
+
+
+def test_a_pinned_tail_stays_when_what_repeats_it_is_gone():
+    """The newer path that superseded a pinned tail was lost (a tier dropped it) before the
+    tail's request let go of it: the tail is all that is left of those tokens, and stays."""
+    turn = np.arange(100, 200, dtype=np.int32)
+    store = MemoryStore(10**9)
+    index = PrefixIndex(store, FP, whole, chunk_size=64)
+    d_key, d = chunk("", 0, 1)
+    put(store, index, d_key, d, 0.0)
+    first = _tail(store, index, d_key, 64, turn[:10], 1.0)
+    lease = index.pin([d_key, first])
+    second = _tail(store, index, d_key, 64, turn[:30], 2.0)
+    store.delete(second)
+    lease.release()
+    assert store.contains(first) and not store.contains(second)
+    got = index.successor("", [d_key], np.concatenate([d.token_ids, turn[:50]]), 200, 64, 1)
+    assert got is not None and (got.key, got.end) == (first, 74)
+
+
 def _held(store) -> list[KVFragment]:
     """Every fragment the store holds, by position."""
     return sorted((store.get(k) for k in store.keys()), key=lambda f: f.token_start)
@@ -229,6 +289,20 @@ def test_a_tail_a_stored_tail_already_holds_is_not_stored_again(tmp_path):
     other = prompt[:-5] + [rng.randrange(1, 250) for _ in range(5)]
     assert kv.generate(other, max_tokens=3).stored_fragments == 1  # a tail of its own
     assert len(kv.store.keys()) == len(before) + 1
+
+
+@pytest.mark.parametrize("tail", [10, 20])
+def test_whole_chunk_reuse_stores_no_tail_it_could_not_reuse(tmp_path, tail):
+    """Where reuse may not end at any token (whole chunks, `partial_reuse` on), the radix
+    step takes a tail only for `min_reuse_tokens` or more: a shorter one is not stored."""
+    cfg = CacheConfig(chunk_size=64, cache_dir=tmp_path, reuse_granularity="chunk",
+                      partial_reuse=True, min_reuse_tokens=16)
+    kv = EdgeKV(FakeAdapter(), MemoryStore(1 << 40), cfg)
+    assert not kv.token_exact
+    prompt = [random.Random(tail).randrange(1, 250) for _ in range(64 + tail)]
+    kv.generate(prompt, max_tokens=1)
+    assert [(f.token_start, f.token_end) for f in _held(kv.store)] == (
+        [(0, 64)] + ([(64, 64 + tail)] if tail >= 16 else []))
 
 
 def test_a_tail_stored_with_the_chunk_before_it_is_still_reused_then_superseded(tmp_path):
