@@ -341,7 +341,7 @@ class PrefixIndex:
         has filled its chunk or stored a longer tail of the same chunk. (A tail under the
         grandparent is one an older cache stored together with the chunk before it.) A
         pinned tail (the one that turn reused, pinned until its answer is stored) is freed
-        when its last pin goes (`unpin`)."""
+        once its last pin goes (`free_superseded`, from `Lease.release` or the next insert)."""
         c = self.chunk_size
         if not c:
             return

@@ -135,13 +135,7 @@ def test_a_longer_tail_frees_the_shorter_tail_it_extends():
     turn = np.arange(100, 200, dtype=np.int32)  # what follows chunk 0, turn by turn
 
     def tail(parent: str, start: int, ids: np.ndarray, now: float) -> str:
-        key = next_key(parent, FP, ids)
-        kv = np.zeros((1, len(ids), 4), np.float16)
-        put(store, index, key, KVFragment(
-            model_fingerprint=FP, chain_key=key, parent_key=parent, token_start=start,
-            token_end=start + len(ids), layer_start=0, layer_end=1, layer_stride=1,
-            n_layer_model=1, token_ids=ids, keys=kv, values=kv), now)
-        return key
+        return _tail(store, index, parent, start, ids, now)
 
     first = tail("", 0, np.concatenate([d.token_ids, turn[:20]]), 1.0)
     other = tail("", 0, np.concatenate([d.token_ids, turn[:19], [7]]).astype(np.int32), 2.0)
@@ -165,6 +159,19 @@ def _tail(store, index: PrefixIndex, parent: str, start: int, ids: np.ndarray,
     return key
 
 
+def _pinned_then_repeated(turn: np.ndarray):
+    """A chunk, a 10-token tail after it that a request pins, then a 30-token tail from the
+    same start (the next turn's): (store, index, chunk key, chunk, first, lease, second)."""
+    store = MemoryStore(10**9)
+    index = PrefixIndex(store, FP, whole, chunk_size=64)
+    d_key, d = chunk("", 0, 1)
+    put(store, index, d_key, d, 0.0)
+    first = _tail(store, index, d_key, 64, turn[:10], 1.0)
+    lease = index.pin([d_key, first])
+    second = _tail(store, index, d_key, 64, turn[:30], 2.0)
+    return store, index, d_key, d, first, lease, second
+
+
 def test_a_pinned_tail_a_longer_one_repeats_goes_when_its_request_lets_go():
     """A chat turn pins the tail it reuses while it stores its own, longer one: the first is
     freed once the turn releases it, not before; while pinned the radix step names the longer
@@ -172,13 +179,7 @@ def test_a_pinned_tail_a_longer_one_repeats_goes_when_its_request_lets_go():
     is held): the index's next insert frees the tail."""
     turn = np.arange(100, 200, dtype=np.int32)
     for collected in (False, True):
-        store = MemoryStore(10**9)
-        index = PrefixIndex(store, FP, whole, chunk_size=64)
-        d_key, d = chunk("", 0, 1)
-        put(store, index, d_key, d, 0.0)
-        first = _tail(store, index, d_key, 64, turn[:10], 1.0)
-        lease = index.pin([d_key, first])
-        second = _tail(store, index, d_key, 64, turn[:30], 2.0)
+        store, index, d_key, d, first, lease, second = _pinned_then_repeated(turn)
         assert store.contains(first) and store.contains(second)  # pinned: kept for now
         got = index.successor("", [d_key], np.concatenate([d.token_ids, turn[:50]]), 200,
                               64, 1)
@@ -200,13 +201,7 @@ def test_a_pinned_tail_stays_when_what_repeats_it_is_gone():
     """The newer path that superseded a pinned tail was lost (a tier dropped it) before the
     tail's request let go of it: the tail is all that is left of those tokens, and stays."""
     turn = np.arange(100, 200, dtype=np.int32)
-    store = MemoryStore(10**9)
-    index = PrefixIndex(store, FP, whole, chunk_size=64)
-    d_key, d = chunk("", 0, 1)
-    put(store, index, d_key, d, 0.0)
-    first = _tail(store, index, d_key, 64, turn[:10], 1.0)
-    lease = index.pin([d_key, first])
-    second = _tail(store, index, d_key, 64, turn[:30], 2.0)
+    store, index, d_key, d, first, lease, second = _pinned_then_repeated(turn)
     store.delete(second)
     lease.release()
     assert store.contains(first) and not store.contains(second)
