@@ -7,6 +7,7 @@ an adapter is its engine's specifics plus calls into this module.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -227,9 +228,9 @@ def build_fragments(specs: Sequence[FragmentSpec], fp: ModelFingerprint, ids: Se
     return out
 
 
-class SequenceAdapter:
+class SequenceAdapter(ABC):
     """Bookkeeping shared by adapters that keep their own token list (fake, torch, onnx), and
-    `token_bytes`'s default."""
+    `token_bytes`'s default (from each adapter's own `detokenize`)."""
 
     _ids: list[int]
     _n_ctx: int
@@ -246,8 +247,9 @@ class SequenceAdapter:
     def n_ctx(self) -> int:
         return self._n_ctx
 
+    @abstractmethod
     def detokenize(self, tokens: Sequence[int]) -> str:
-        raise NotImplementedError  # each adapter's own
+        """The text of `tokens` (`KVAdapter.detokenize`)."""
 
     def token_bytes(self, token: int) -> bytes:
         """The UTF-8 of the token's text (`KVAdapter.token_bytes`)."""
