@@ -506,7 +506,7 @@ class PrefixIndex:
                 if self._repeats(by, leaf):
                     self._free_subtree(leaf)
                     freed += 1
-                else:
+                elif self._nodes.get(key) is leaf:  # (not a node placed since under its key)
                     self._prune(leaf)
         return freed
 

@@ -60,17 +60,16 @@ class Writeback:
         for i, key in enumerate(keys):
             if (i + 1) * c > cached:
                 spans.append((key, keys[i - 1] if i else root, i * c, (i + 1) * c))
-        start = len(keys) * c
-        # (where reuse may not end at any token and nothing routes by meaning, a tail shorter
-        # than `min_reuse_tokens` could never be reused: the radix step asks for that many)
-        least = 1 if self.token_exact or self.router is not None else self.config.min_reuse_tokens
-        if len(tokens) - start >= least and (self.router is not None or self.config.partial_reuse
-                                             or self.token_exact):
-            # the tokens after the last full chunk (however few: `TAIL_MIN_SPAN`), hanging off
-            # it on their own, found again by the radix step and verified token by token; the
-            # next turn's longer tail or full chunk supersedes it (`PrefixIndex.insert`)
-            # (not where a stored tail from the same start already holds these tokens and
-            # more: the same request with fewer tokens to generate, say)
+        start, tail = len(keys) * c, len(tokens) - len(keys) * c
+        # the tokens after the last full chunk hang off it on their own: however few where
+        # reuse may end at any token or a router finds them by meaning; with whole-chunk reuse
+        # cut short (`partial_reuse`) only as many as the radix step takes (`min_reuse_tokens`).
+        # Not where a stored tail from the same start holds them already (the same request
+        # with fewer tokens to generate); the next turn's longer tail or full chunk supersedes
+        # this one (`PrefixIndex.insert`)
+        any_length = self.token_exact or self.router is not None
+        if tail and (any_length or (self.config.partial_reuse
+                                    and tail >= self.config.min_reuse_tokens)):
             parent = keys[-1] if keys else root
             if not self.index.covers(parent, start, tokens[start:]):
                 spans.append((next_key(parent, self.fingerprint, tokens[start:]), parent,
