@@ -89,8 +89,9 @@ def test_the_invariant_kernels_are_recognised_by_their_symbol(tmp_path, monkeypa
 
 
 def test_the_series_carries_the_decode_paths():
-    """The three decode-speed pieces are in the series (each is exercised by the probe)."""
+    """The decode-speed pieces are in the series (each is exercised by the probe)."""
     text = {p.name[:4]: p.read_text(encoding="utf-8") for p in PATCHES.glob("*.patch")}
     assert "ggml_compute_forward_flash_attn_ext_few_rows" in text["0003"]
     assert "Atype == GGML_TYPE_Q8_0 || Atype == GGML_TYPE_Q4_0" in text["0004"]
     assert "static bool invariant_pad()" in text["0005"]
+    assert "ggml_compute_forward_flash_attn_ext_segments" in text["0007"]

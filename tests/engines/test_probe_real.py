@@ -52,3 +52,28 @@ def test_the_probe_runs_a_long_prompt_and_the_batch_schedule(adapter):
     assert len(names) == len(probe.schedules(res.tokens)) + 2 + 1
     [(note, _, _)] = res.notes  # the unified-KV batch: recorded, not deciding
     assert "unified KV" in note and note not in names
+
+
+def test_a_decode_step_is_the_same_at_any_thread_count():
+    """Patch 0007 splits a decode step's KV segments across the threads; a row still merges its
+    segments in one order, so the logits of a prompt past one segment (256 cells) and the decode
+    steps after it are the same at 1, 2 and 3 threads. (Stock's split-KV path is not: its chunk
+    bounds follow the thread count.)"""
+    import numpy as np
+
+    runs = []
+    for threads in (1, 2, 3):
+        a = LlamaCppAdapter(default_model_path(), n_ctx=2048, n_threads=threads)
+        try:
+            if not (a.batch_invariant and a.flash_attn):
+                pytest.skip("the engine's batch-invariant kernels are not loaded")
+            toks = probe.probe_tokens(a, 700)
+            logits = a.prefill(toks, align=a.n_ctx)
+            steps = [np.array(logits)]
+            for _ in range(3):
+                logits = a.prefill([int(np.argmax(logits))], align=a.n_ctx)
+                steps.append(np.array(logits))
+            runs.append(np.stack(steps))
+        finally:
+            a.close()
+    assert all(np.array_equal(r, runs[0]) for r in runs[1:])
