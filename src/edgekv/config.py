@@ -36,11 +36,13 @@ class CacheConfig:
     ram_capacity_bytes: int = 256 * MIB
     # Disk tier capacity; entries are evicted past it (see `eviction`).
     disk_capacity_bytes: int = 2048 * MIB
-    # Who evicts past a tier's capacity. "leaf": the prefix index, least recently used leaf
-    # chunk first, never a chunk whose descendants are held (SGLang's radix cache; measured
-    # by `edgekv bench pressure`: no orphaned bytes, where "lru", each tier's own LRU, evicts
-    # chain heads first, because a hit touches the head before the tail, and leaves their
-    # descendants held where no lookup can reach them).
+    # Who evicts past a tier's capacity. "leaf": the prefix index, leaf chunks only, never a
+    # chunk whose descendants are held (SGLang's radix cache), the leaf whose second-to-last
+    # access is oldest first (LRU-2: a chunk read once goes before one read again); "leaf-lru":
+    # leaves only, least recently used first. Measured by `edgekv bench pressure`: no orphaned
+    # bytes, where "lru", each tier's own LRU, evicts chain heads first, because a hit touches
+    # the head before the tail, and leaves their descendants held where no lookup can reach
+    # them.
     eviction: str = "leaf"
     # Seed (EdgeSync-LLM fragment.go): TTL 30 min, >= 5 hits promotes to 7 days.
     ttl_s: float = 30 * 60.0
@@ -125,9 +127,10 @@ class CacheConfig:
             raise ConfigError(f"reuse_granularity={self.reuse_granularity!r}: use 'auto' (probe "
                               "the engine, reuse to any token where it is batch-invariant) or "
                               "'chunk' (whole chunks only)")
-        if self.eviction not in ("leaf", "lru"):
+        if self.eviction not in ("leaf", "leaf-lru", "lru"):
             raise ConfigError(f"eviction={self.eviction!r}: use 'leaf' (the prefix index evicts "
-                              "leaf chunks first) or 'lru' (each tier its own LRU)")
+                              "leaf chunks first, LRU-2), 'leaf-lru' (leaf chunks, least "
+                              "recently used first) or 'lru' (each tier its own LRU)")
         if self.semantic_k < 1:
             raise ConfigError(f"semantic_k={self.semantic_k} must be >= 1")
         for name in ("index_save_every", "stream_timeout_s", "stream_wait_timeouts",

@@ -6,16 +6,20 @@ before it, a root per tenant. It answers three questions no single tier can:
 
 - What follows a matched chain (`successor`): the radix step compares a request's tokens
   with the children's, in memory, without asking a tier.
-- What to evict (`evict`): leaves only, least recently used first. A hit walks a chain from
-  its head, so a per-tier LRU sees the head as the oldest entry and evicts it first, which
-  orphans every chunk after it (bytes held that no lookup can reach). Evicting leaves keeps
-  a chunk that many chains share while any of its descendants is wanted.
+- What to evict (`evict`): leaves only. A hit walks a chain from its head, so a per-tier LRU
+  sees the head as the oldest entry and evicts it first, which orphans every chunk after it
+  (bytes held that no lookup can reach). Evicting leaves keeps a chunk that many chains share
+  while any of its descendants is wanted. Of the leaves, `policy="leaf"` takes the one whose
+  second-to-last access is oldest first (LRU-2, O'Neil et al. 1993): a chunk read once (a
+  one-off prompt, a rarely continued chat) goes before one read again, so a stream of
+  one-off requests does not flush the chains that are in use; `"leaf-lru"`, the least
+  recently used leaf first.
 - What is in use (`pin`): a request's matched path is pinned until its answer is stored, so
   an eviction for another request never removes the parent its new chunks hang off.
 
 Tiers (`FragmentStore.tier_list`, fastest first) stay byte stores: the index tracks which
 tier holds every fragment of a node (a bit per tier) from inserts, hits and the tiers' remove
-events, and, with `policy="leaf"`, is the tiers' evictor. A leaf evicted from RAM stays on
+events, and, with `policy="leaf"` or `"leaf-lru"`, is the tiers' evictor. A leaf evicted from RAM stays on
 disk; the disk tier evicts leaves too. A node that no tier holds any more (expired, damaged)
 takes its unreachable descendants with it. A tier that evicts by itself and is shared by
 other processes (Redis, `FragmentStore.self_evicting`) is only tracked: the index never
@@ -46,7 +50,7 @@ from .store.base import FragmentStore
 __all__ = ["Lease", "Node", "PrefixIndex", "Successor"]
 
 _NO_TOKENS = np.zeros(0, np.int32)
-POLICIES = ("leaf", "lru")
+POLICIES = ("leaf", "leaf-lru", "lru")
 
 
 @dataclass(slots=True, eq=False)
@@ -61,6 +65,7 @@ class Node:
     nbytes: int = 0
     held: int = 0  # bit i: tier i holds every fragment of it
     last_access: float = 0.0
+    prev_access: float = 0.0  # the access before `last_access` (0: read once, or not known)
     lock_ref: int = 0
     root: bool = False
     children: dict[str, Node] = field(default_factory=dict)
@@ -108,8 +113,11 @@ class PrefixIndex:
                  chunk_size: int = 0, policy: str = "leaf") -> None:
         if policy not in POLICIES:
             raise ValueError(f"eviction policy {policy!r}: use 'leaf' (the prefix index, "
-                             "leaves first) or 'lru' (each tier's own LRU)")
+                             "leaves first, LRU-2), 'leaf-lru' (leaves first, least recently "
+                             "used) or 'lru' (each tier's own LRU)")
         self.fingerprint, self.layouts, self.policy = fingerprint, layouts, policy
+        self._leaf = policy != "lru"  # the index evicts (leaves first)
+        self._lru2 = policy == "leaf"  # ... by second-to-last access
         self.chunk_size = chunk_size  # 0: unknown, so no tail is taken for redundant
         self.tiers = store.tier_list()
         self._tier_at = {t.name: i for i, t in reversed(list(enumerate(self.tiers)))}
@@ -122,18 +130,19 @@ class PrefixIndex:
         # while its own longer tail is stored), by `free_superseded`
         self._superseded: dict[str, tuple[Node, Node]] = {}
         self.evictions = 0  # nodes evicted from a tier by `evict`
-        # per tier, the eviction candidates by (last access, -end, key): pushed whenever a
-        # node's access, pins or what its tier and its children hold changes; a popped entry
-        # that no longer describes its node is skipped (lazy deletion), so `evict` never
-        # scans every node
-        self._heaps: list[list[tuple[float, int, str, int, Node]]] = [[] for _ in self.tiers]
+        # per tier, the eviction candidates by (rank, last access, -end, key), rank the
+        # second-to-last access (LRU-2) or 0: pushed whenever a node's access, pins or what
+        # its tier and its children hold changes; a popped entry that no longer describes its
+        # node is skipped (lazy deletion), so `evict` never scans every node
+        self._heaps: list[list[tuple[float, float, int, str, int, Node]]] = [
+            [] for _ in self.tiers]
         self._pushed = itertools.count()  # ties (one node pushed twice) never compare nodes
         self.rebuild()
         # tiers whose contents the index may remove (not a shared, self-evicting Redis)
         self._owned = [not t.self_evicting for t in self.tiers]
         for i, tier in enumerate(self.tiers):
             tier.add_remove_listener(partial(self._on_remove, i))
-            if policy == "leaf" and self._owned[i]:
+            if self._leaf and self._owned[i]:
                 tier.evictor = partial(self._make_room, i)
 
     # -- public API ----------------------------------------------------------------------
@@ -170,13 +179,15 @@ class PrefixIndex:
         with self._lock:
             self.free_superseded()  # left by a lease the collector released
             node = self._place(key, parent, start, np.asarray(tokens, np.int32))
+            if now > node.last_access:  # stored again: wanted again (a new node: read once)
+                node.prev_access = node.last_access
             node.names, node.nbytes, node.last_access = tuple(names), nbytes, now
             self._by_name.update(dict.fromkeys(node.names, node))
             for i, tier in enumerate(self.tiers):  # a tier that cannot answer now (a Redis
                 if all(tier.contains(n) for n in node.names):  # down) keeps what it had:
                     self._set(node, i, True)  # removals come by its events
             self._mark(node)
-            if self.policy == "leaf" and node.held:
+            if self._leaf and node.held:
                 if not self._reachable(node.parent):
                     self._free_subtree(node)
                 else:
@@ -200,6 +211,8 @@ class PrefixIndex:
             if not node.names:
                 node.names, node.nbytes = tuple(names), nbytes
                 self._by_name.update(dict.fromkeys(node.names, node))
+            if now > node.last_access:  # one lookup's chunks share one `now`: one access
+                node.prev_access = node.last_access
             node.last_access = now
             j = self._tier_at.get(tier, len(self.tiers) - 1)
             for i in range(j + 1):
@@ -269,11 +282,12 @@ class PrefixIndex:
         (it would orphan it). `done()`: stop as soon as it says so (the tier's own count)."""
         freed = 0
         with self._lock:
-            # least recently used first; of a path touched at once, the deepest first (the
-            # tail, as vLLM frees a request's blocks), then by key: the same order every run
+            # oldest second-to-last access first (LRU-2; "leaf-lru": all 0), then least
+            # recently used; of a path touched at once, the deepest first (the tail, as vLLM
+            # frees a request's blocks), then by key: the same order every run
             heap = self._heaps[tier]
             while heap and freed < nbytes and not (done and freed and done()):
-                access, neg_end, _, _, node = heapq.heappop(heap)
+                _, access, neg_end, _, _, node = heapq.heappop(heap)
                 if (self._nodes.get(node.key) is not node or access != node.last_access
                         or neg_end != -node.end or not self._evictable(node, tier)):
                     continue  # stale: a newer entry describes it, or it is not a leaf now
@@ -393,20 +407,23 @@ class PrefixIndex:
         """Push `node` as an eviction candidate of each tier holding it (see `_heaps`)."""
         if node is None or node.root or not node.held:
             return
-        entry = (node.last_access, -node.end, node.key, next(self._pushed), node)
+        entry = self._entry(node)
         for i, heap in enumerate(self._heaps):
             if node.held >> i & 1:
                 heapq.heappush(heap, entry)
                 if len(heap) > 4 * len(self._nodes) + 64:
                     self._reheap(i)
 
+    def _entry(self, n: Node) -> tuple[float, float, int, str, int, Node]:
+        return (n.prev_access if self._lru2 else 0.0, n.last_access, -n.end, n.key,
+                next(self._pushed), n)
+
     def _reheap(self, *tiers: int) -> None:
         """The candidate heaps from the nodes themselves (after a rebuild, or when stale
         entries outnumber the nodes)."""
         for i in tiers or range(len(self.tiers)):
             bit = 1 << i
-            heap = [(n.last_access, -n.end, n.key, next(self._pushed), n)
-                    for n in self._nodes.values() if not n.root and n.held & bit]
+            heap = [self._entry(n) for n in self._nodes.values() if not n.root and n.held & bit]
             heapq.heapify(heap)
             self._heaps[i] = heap
 
@@ -480,7 +497,7 @@ class PrefixIndex:
                 self._by_name[node.key] = node
                 return
             self._set(node, tier, False)
-            if not node.held and self.policy == "leaf" and not self._cascading:
+            if not node.held and self._leaf and not self._cascading:
                 self._free_subtree(node)
             self._prune(node)
 

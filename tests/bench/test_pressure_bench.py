@@ -30,7 +30,12 @@ def test_pressure_rows_keep_the_contract(tmp_path):
     assert u["unique_reused_tokens"] == u["reused_tokens"]
     assert 0 < u["kv_total_bytes"] <= u["kv_stored_bytes"] == u["held_bytes_end"]
     assert by["leaf"]["capacity_bytes"] == u["kv_total_bytes"] // 3
-    assert "orphan bytes max" in pressure_table({"pressure": rows, "redis": []})
+    # the leaf row carries the least-recently-used leaf order on the same tier and requests
+    plain = by["leaf"]["leaf_lru"]
+    assert by["leaf"]["leaf_order"] == "lru-2" and plain["orphan_bytes_max"] == 0
+    assert plain["reused_tokens"] <= u["reused_tokens"] and plain["ttft_ms_mean"] is None
+    text = pressure_table({"pressure": rows, "redis": []})
+    assert "orphan bytes max" in text and "leaf (least recently used)" in text
 
 
 def test_tiers_from_an_earlier_run_size_the_ram_tier(tmp_path):

@@ -414,18 +414,41 @@ def test_the_index_is_rebuilt_from_disk_on_open(tmp_path):
 
 def test_eviction_is_a_config_choice():
     assert CacheConfig().eviction == "leaf"
+    assert CacheConfig(eviction="leaf-lru").eviction == "leaf-lru"
     with pytest.raises(ConfigError, match="leaf"):
         CacheConfig(eviction="fifo")
 
 
-def test_eviction_order_is_the_least_recently_used_leaf_of_all_at_every_step():
+def test_a_chain_read_twice_outlives_one_off_prompts_under_lru2(tmp_path):
+    """LRU-2 ("leaf"): a stream of one-off prompts, each read once, is evicted before a chain
+    that was read again, however recent they are; the least recently used leaf first
+    ("leaf-lru") lets them flush it."""
+    kept = {}
+    for policy in ("leaf", "leaf-lru"):
+        cfg = CacheConfig(chunk_size=64, cache_dir=tmp_path / policy, eviction=policy)
+        probe = EdgeKV(FakeAdapter(), MemoryStore(1 << 40), cfg)
+        doc = list(range(1, 257))
+        probe.generate(doc, max_tokens=1)
+        kv = EdgeKV(FakeAdapter(), MemoryStore(probe.store.stats().bytes * 2), cfg)
+        kv.generate(doc, max_tokens=1)
+        kv.generate(doc, max_tokens=1)  # read again
+        for i in range(3):  # one-off prompts of the same size: together more than the tier
+            kv.generate([300 + i] * 256, max_tokens=1)
+        kept[policy] = kv.generate(doc, max_tokens=1).cached_tokens
+        assert kv.index.orphan_bytes() == 0
+    assert kept["leaf"] == 255 and kept["leaf-lru"] < 255, kept
+
+
+@pytest.mark.parametrize("policy", ["leaf", "leaf-lru"])
+def test_eviction_order_is_the_first_leaf_of_all_at_every_step(policy):
     """`evict` keeps its candidates in a heap updated as the index changes (it never scans
     every node): after random inserts, hits, pins and releases over a branching tree, each
-    chunk it frees is the one a scan of every node would pick (least recent access, deepest,
-    then by key)."""
+    chunk it frees is the one a scan of every node would pick (oldest second-to-last access
+    for LRU-2, then least recent access, deepest, then by key)."""
     rng = random.Random(7)
     store = MemoryStore(1 << 40)
-    index = PrefixIndex(store, FP, whole)
+    index = PrefixIndex(store, FP, whole, policy=policy)
+    lru2 = policy == "leaf"
     keys: list[tuple[str, KVFragment]] = []
     leases = []
     for t in range(300):
@@ -446,12 +469,12 @@ def test_eviction_order_is_the_least_recently_used_leaf_of_all_at_every_step():
             keys.append((k, f))
         if t % 25 == 24:  # every so often, free two chunks and check each against a scan
             for _ in range(2):
-                cand = sorted((n.last_access, -n.end, n.key) for n in index._nodes.values()
-                              if index._evictable(n, 0))
+                cand = sorted((n.prev_access if lru2 else 0.0, n.last_access, -n.end, n.key)
+                              for n in index._nodes.values() if index._evictable(n, 0))
                 before = set(store.keys())
                 freed = index.evict(1)
                 gone = before - set(store.keys())
                 assert (freed > 0) == bool(cand)
                 if cand:
-                    assert gone == {cand[0][2]}
+                    assert gone == {cand[0][3]}
     assert index.orphan_bytes() == 0

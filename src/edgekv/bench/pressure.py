@@ -6,7 +6,9 @@ answers), through a RAM tier that holds a third to a tenth of their KV. Side by 
 run, on the same request sequence:
 
 - "lru": each tier evicts by its own LRU (the design before the prefix index);
-- "leaf": the prefix index evicts the least recently used leaf chunk first;
+- "leaf": the prefix index evicts leaf chunks only, the one whose second-to-last access is
+  oldest first (LRU-2, the default); each leaf row also carries the same index with the least
+  recently used leaf first ("leaf_lru": the order before LRU-2), on the same requests;
 - "unbounded": nothing is evicted or freed (the ceiling of what reuse can reach).
 
 The RAM tier's capacity is the workload's KV over the ratio: every chunk and tail it stores,
@@ -104,7 +106,7 @@ def run_policy(adapter: KVAdapter, work: Workload, policy: str, capacity: int,
     # the KV the workload stored; "unique" is the leaf index never full, which frees only
     # the tails a longer path repeats: the KV the workload needs
     cfg = CacheConfig(chunk_size=chunk_size, cache_dir=cache_dir,
-                      eviction="leaf" if policy in ("leaf", "unique") else "lru",
+                      eviction={"unique": "leaf", "unbounded": "lru"}.get(policy, policy),
                       ram_capacity_bytes=capacity)
     store = MemoryStore(capacity)
     kv = EdgeKV(adapter, store, cfg)
@@ -160,8 +162,19 @@ def run_pressure(adapter: KVAdapter, work: Workload, ratios: Sequence[float], tm
                        unique_reused_tokens=unique["reused_tokens"],
                        reused_vs_unbounded=round(row["reused_tokens"]
                                                  / max(1, ceiling["reused_tokens"]), 4))
+            if policy == "leaf":  # the leaf order before LRU-2, on the same tier and requests
+                plain = run_policy(adapter, work, "leaf-lru", capacity,
+                                   tmp / f"{engine}-leaf-lru-{ratio}", chunk_size)
+                row["leaf_order"] = "lru-2"
+                row["leaf_lru"] = {k: plain[k] for k in (
+                    "reused_tokens", "hit_rate", "ttft_ms_mean", "ttft_ms_p95",
+                    "orphan_bytes_max", "held_bytes_end")}
+                row["leaf_lru"]["reused_vs_unbounded"] = round(
+                    plain["reused_tokens"] / max(1, ceiling["reused_tokens"]), 4)
             if engine == "fake":  # its clock measures nothing a user waits for
                 row["ttft_ms_mean"] = row["ttft_ms_p95"] = None
+                if "leaf_lru" in row:
+                    row["leaf_lru"]["ttft_ms_mean"] = row["leaf_lru"]["ttft_ms_p95"] = None
             rows.append(row)
             say(f"{engine} ratio {ratio} {policy}: reused {row['reused_tokens']} "
                 f"({row['reused_vs_unbounded']:.1%} of unbounded), orphans max "
@@ -426,9 +439,15 @@ def pressure_table(res: dict[str, Any]) -> str:
     def ms(v: Any) -> str:
         return "-" if v is None else f"{v:.1f}"
 
-    rows = [[r["engine"], f"{r['ratio']:g}x", r["policy"], r["reused_tokens"],
-             f"{r['reused_vs_unbounded']:.1%}", f"{r['hit_rate']:.1%}", ms(r["ttft_ms_mean"]),
-             ms(r["ttft_ms_p95"]), r["orphan_bytes_max"]] for r in res["pressure"]]
+    rows = []
+    for r in res["pressure"]:
+        for name, x in ((r["policy"] + (" (LRU-2)" if "leaf_lru" in r else ""), r),
+                        ("leaf (least recently used)", r.get("leaf_lru"))):
+            if x is not None:
+                rows.append([r["engine"], f"{r['ratio']:g}x", name, x["reused_tokens"],
+                             f"{x['reused_vs_unbounded']:.1%}", f"{x['hit_rate']:.1%}",
+                             ms(x["ttft_ms_mean"]), ms(x["ttft_ms_p95"]),
+                             x["orphan_bytes_max"]])
     setup = res.get("setup", {})
     kv = "; ".join(f"{eng}: {r['kv_total_bytes'] / 1e6:.2f} MB (every chunk and tail once; a "
                    f"cache that frees nothing holds {r['kv_stored_bytes'] / 1e6:.2f} MB)"
