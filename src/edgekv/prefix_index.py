@@ -19,13 +19,14 @@ before it, a root per tenant. It answers three questions no single tier can:
 
 Tiers (`FragmentStore.tier_list`, fastest first) stay byte stores: the index tracks which
 tier holds every fragment of a node (a bit per tier) from inserts, hits and the tiers' remove
-events, and, with `policy="leaf"` or `"leaf-lru"`, is the tiers' evictor. A leaf evicted from RAM stays on
-disk; the disk tier evicts leaves too. A node that no tier holds any more (expired, damaged)
-takes its unreachable descendants with it. A tier that evicts by itself and is shared by
-other processes (Redis, `FragmentStore.self_evicting`) is only tracked: the index never
-removes anything from it, since another process may be about to write what a chain there
-lacks. The index is rebuilt from the tiers' own indexes
-on open (`FragmentStore.entries`), so it is as crash-safe as the disk tier; it is only a map:
+events, and, with `policy="leaf"` or `"leaf-lru"`, is the tiers' evictor. A leaf evicted from
+RAM stays on disk; the disk tier evicts leaves too. A node that no tier holds any more
+(expired, damaged) takes its unreachable descendants with it. A tier that evicts by itself and
+is shared by other processes (Redis, `FragmentStore.self_evicting`) is only tracked: the index
+never removes anything from it, since another process may be about to write what a chain
+there lacks. The index is rebuilt from the tiers' own indexes on open
+(`FragmentStore.entries`; a chunk's access before its last is not recorded there, so after a
+rebuild every chunk counts as read once), so it is as crash-safe as the disk tier; it is only a map:
 the tiers are the truth, and a chain a tier holds that the index does not know (another
 process's) is still found by the exact walk and adopted.
 """
