@@ -75,6 +75,13 @@ class Node:
     def end(self) -> int:
         return self.start + len(self.tokens)
 
+    def touch(self, now: float) -> None:
+        """An access at `now`; the one before it is kept (LRU-2). One lookup's chunks share
+        one `now`, so a chunk read twice by one request counts once."""
+        if now > self.last_access:
+            self.prev_access = self.last_access
+        self.last_access = now
+
 
 @dataclass(frozen=True, slots=True)
 class Successor:
@@ -180,9 +187,8 @@ class PrefixIndex:
         with self._lock:
             self.free_superseded()  # left by a lease the collector released
             node = self._place(key, parent, start, np.asarray(tokens, np.int32))
-            if now > node.last_access:  # stored again: wanted again (a new node: read once)
-                node.prev_access = node.last_access
-            node.names, node.nbytes, node.last_access = tuple(names), nbytes, now
+            node.touch(now)  # stored again: wanted again (a new node: read once)
+            node.names, node.nbytes = tuple(names), nbytes
             self._by_name.update(dict.fromkeys(node.names, node))
             for i, tier in enumerate(self.tiers):  # a tier that cannot answer now (a Redis
                 if all(tier.contains(n) for n in node.names):  # down) keeps what it had:
@@ -212,9 +218,7 @@ class PrefixIndex:
             if not node.names:
                 node.names, node.nbytes = tuple(names), nbytes
                 self._by_name.update(dict.fromkeys(node.names, node))
-            if now > node.last_access:  # one lookup's chunks share one `now`: one access
-                node.prev_access = node.last_access
-            node.last_access = now
+            node.touch(now)
             j = self._tier_at.get(tier, len(self.tiers) - 1)
             for i in range(j + 1):
                 self._set(node, i, i == j or all(self.tiers[i].contains(n) for n in node.names))

@@ -378,7 +378,8 @@ def test_memory_pressure_orphans_only_under_per_tier_lru(tmp_path):
     # a third of what the unbounded cache holds: since every tail hangs off its last full
     # chunk on its own (no chunk's KV held twice) that is 45% fewer bytes than when short
     # tails were stored with the chunk before them (leaf then 92% of the ceiling; at that
-    # tier size now 99%, at this one 77%)
+    # tier size later 99%; at this one 77% with the least recently used leaf first, 80% with
+    # LRU-2)
     assert runs["leaf"][0] >= runs["lru"][0] and runs["leaf"][0] >= 0.75 * ceiling, runs
 
 
@@ -478,3 +479,15 @@ def test_eviction_order_is_the_first_leaf_of_all_at_every_step(policy):
                 if cand:
                     assert gone == {cand[0][3]}
     assert index.orphan_bytes() == 0
+
+
+def test_the_eviction_order_is_set_from_the_environment(tmp_path, monkeypatch):
+    """`edgekv serve`, `generate` and `kv-server` build their config with `from_env`: the
+    leaf order is `EDGEKV_EVICTION`, and a value that is not one is refused, naming it."""
+    monkeypatch.setenv("EDGEKV_EVICTION", "leaf-lru")
+    cfg = CacheConfig.from_env(cache_dir=tmp_path)
+    kv = EdgeKV(FakeAdapter(), MemoryStore(1 << 20), cfg)
+    assert cfg.eviction == kv.index.policy == "leaf-lru"
+    monkeypatch.setenv("EDGEKV_EVICTION", "lfu")
+    with pytest.raises(ConfigError, match="eviction='lfu'"):
+        CacheConfig.from_env(cache_dir=tmp_path)
