@@ -8,6 +8,7 @@ from redis.connection import AbstractConnection
 
 from edgekv import CacheConfig, EdgeKV
 from edgekv.engines.fake import FakeAdapter
+from edgekv.serial import encode_fragment
 from edgekv.store.redis import RedisStore
 
 from .. import redis_kit
@@ -89,6 +90,45 @@ def test_a_requests_chunks_are_written_in_one_round_trip(tmp_path, sends):
         assert match.n_tokens == 1024
         store.clear()
         store.close()
+
+
+def test_a_full_redis_that_evicts_takes_a_request_too_big_for_one_transaction(tmp_path):
+    """Under `allkeys-lru` with room for a few fragments but not a request's whole batch, the
+    MULTI/EXEC is refused (its payload counts twice: queued and in the query buffer); the
+    chunks then go one at a time, Redis evicts between them, and nothing is counted as an
+    error. Under `noeviction` what fits lands, parents first, and the rest raises `StoreError`
+    and is counted: what Redis holds is a prefix of the chain."""
+    redis_kit.need_redis()
+    from edgekv.errors import StoreError
+    from edgekv.store import MemoryStore
+
+    tokens = [(7 * i) % 250 + 1 for i in range(1025)]
+    cfg = CacheConfig(chunk_size=128, cache_dir=tmp_path)
+    ram = MemoryStore(1 << 30)
+    EdgeKV(FakeAdapter(), ram, cfg).generate(tokens, max_tokens=1)
+    items = sorted(((k, ram.get(k)) for k in ram.keys()), key=lambda kv: kv[1].token_start)
+    biggest = max(len(encode_fragment(f)) for _, f in items)
+    total = sum(len(encode_fragment(f)) for _, f in items)
+    assert total > 6 * biggest  # the batch is far larger than the room below
+    for policy in ("allkeys-lru", "noeviction"):
+        with redis_kit.server(tmp_path / policy, "--maxmemory-policy", policy) as srv:
+            store = RedisStore(srv.url)
+            admin = srv.client()
+            admin.config_set("maxmemory", int(admin.info("memory")["used_memory"])
+                             + 3 * biggest)
+            if policy == "allkeys-lru":
+                store.put_many(items)
+                assert store.stats().errors == 0
+                assert store.contains(items[-1][0])  # the deepest chunk was written last
+                assert int(admin.info("stats")["evicted_keys"]) > 0
+            else:
+                with pytest.raises(StoreError):
+                    store.put_many(items)
+                assert store.stats().errors >= 1
+                held = [store.contains(k) for k, _ in items]
+                assert not all(held) and held == sorted(held, reverse=True)  # a head prefix
+            admin.close()
+            store.close()
 
 
 def test_a_cluster_walk_asks_its_nodes_at_once(tmp_path, monkeypatch):

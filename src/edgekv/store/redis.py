@@ -98,6 +98,7 @@ class RedisStore(FragmentStore):
         self._down_errors = (redis.ConnectionError, redis.TimeoutError, OSError,
                              ClusterDownError, RedisClusterException)
         self._slow_errors = (redis.TimeoutError, TimeoutError)
+        self._oom_errors = (redis.exceptions.OutOfMemoryError,)
         try:
             self._r: Any = make()
             if not self.cluster:  # a cluster client read the slot map from a node already
@@ -300,7 +301,13 @@ class RedisStore(FragmentStore):
         """On a single Redis, every fragment, its lifecycle and its parent's successor entry
         in one MULTI/EXEC: a request's new chunks in one round trip, all of them landing or
         none (a failure raises `StoreError`, nothing is written). On a cluster each chunk is
-        in its own slot, which no transaction spans: one `put` each."""
+        in its own slot, which no transaction spans: one `put` each.
+
+        A full Redis refuses the whole transaction when its eviction policy cannot free room
+        for all of it at once (the queued payload and the query buffer holding it count
+        twice against `maxmemory`); then the chunks go one `put` at a time, parents first,
+        so `allkeys-lru` evicts between them and a chain's written part stays a reachable
+        prefix. Under `noeviction` they land until one is refused, which raises."""
         if self.cluster or len(items) < 2:
             for key, frag in items:
                 self.put(key, frag)
@@ -318,6 +325,10 @@ class RedisStore(FragmentStore):
         try:
             self.round_trips += 1
             p.execute()
+        except self._oom_errors:
+            for key, frag in items:
+                self.put(key, frag)
+            return
         except self._errors as e:
             self._failed("put", items[0][0], self.where, e)
             raise StoreError(f"cannot write {len(items)} fragments to Redis: {e}") from e
