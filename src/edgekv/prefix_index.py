@@ -138,6 +138,10 @@ class PrefixIndex:
         # while its own longer tail is stored), by `free_superseded`
         self._superseded: dict[str, tuple[Node, Node]] = {}
         self.evictions = 0  # nodes evicted from a tier by `evict`
+        # a leaf order given from outside, replacing LRU-2's rank (smaller goes first; the
+        # rest of the order stays): `bench pressure`'s clairvoyant reference, which knows
+        # each chunk's next read. A rank may change only when its node is touched or stored
+        self.rank: Callable[[Node], float] | None = None
         # per tier, the eviction candidates by (rank, last access, -end, key), rank the
         # second-to-last access (LRU-2) or 0: pushed whenever a node's access, pins or what
         # its tier and its children hold changes; a popped entry that no longer describes its
@@ -420,8 +424,9 @@ class PrefixIndex:
                     self._reheap(i)
 
     def _entry(self, n: Node) -> tuple[float, float, int, str, int, Node]:
-        return (n.prev_access if self._lru2 else 0.0, n.last_access, -n.end, n.key,
-                next(self._pushed), n)
+        rank = (self.rank(n) if self.rank is not None
+                else n.prev_access if self._lru2 else 0.0)
+        return (rank, n.last_access, -n.end, n.key, next(self._pushed), n)
 
     def _reheap(self, *tiers: int) -> None:
         """The candidate heaps from the nodes themselves (after a rebuild, or when stale

@@ -34,8 +34,30 @@ def test_pressure_rows_keep_the_contract(tmp_path):
     plain = by["leaf"]["leaf_lru"]
     assert by["leaf"]["leaf_order"] == "lru-2" and plain["orphan_bytes_max"] == 0
     assert plain["reused_tokens"] <= u["reused_tokens"] and plain["ttft_ms_mean"] is None
+    # and the clairvoyant reference (the leaf read again furthest in the future first)
+    best = by["leaf"]["leaf_clairvoyant"]
+    assert best["orphan_bytes_max"] == 0 and best["reused_tokens"] <= u["reused_tokens"]
     text = pressure_table({"pressure": rows, "redis": []})
     assert "orphan bytes max" in text and "leaf (least recently used)" in text
+    assert "leaf (clairvoyant" in text
+
+
+def test_the_clairvoyant_rank_puts_the_furthest_next_read_first():
+    """The rank is minus the next request (after the one being served) that reads the chunk:
+    one never read again ranks lowest (goes first), the one read soonest highest."""
+    from types import SimpleNamespace
+
+    from edgekv.bench.pressure import _next_read_rank
+
+    clock = [0]
+    rank = _next_read_rank([["a"], ["a", "b"], ["c"], ["a", "b"]], clock)
+    node = {k: SimpleNamespace(key=k) for k in "abcd"}
+    assert rank(node["d"]) == float("-inf")
+    assert rank(node["a"]) == -1.0 and rank(node["b"]) == -1.0 and rank(node["c"]) == -2.0
+    clock[0] = 1  # request 1 is served: its reads are behind it
+    assert rank(node["a"]) == -3.0 and rank(node["c"]) == -2.0
+    clock[0] = 3
+    assert rank(node["a"]) == rank(node["c"]) == float("-inf")
 
 
 def test_tiers_from_an_earlier_run_size_the_ram_tier(tmp_path):

@@ -440,16 +440,19 @@ def test_a_chain_read_twice_outlives_one_off_prompts_under_lru2(tmp_path):
     assert kept["leaf"] == 255 and kept["leaf-lru"] < 255, kept
 
 
-@pytest.mark.parametrize("policy", ["leaf", "leaf-lru"])
+@pytest.mark.parametrize("policy", ["leaf", "leaf-lru", "rank"])
 def test_eviction_order_is_the_first_leaf_of_all_at_every_step(policy):
     """`evict` keeps its candidates in a heap updated as the index changes (it never scans
     every node): after random inserts, hits, pins and releases over a branching tree, each
     chunk it frees is the one a scan of every node would pick (oldest second-to-last access
-    for LRU-2, then least recent access, deepest, then by key)."""
+    for LRU-2, or the rank given from outside, then least recent access, deepest, then by
+    key)."""
     rng = random.Random(7)
     store = MemoryStore(1 << 40)
-    index = PrefixIndex(store, FP, whole, policy=policy)
+    index = PrefixIndex(store, FP, whole, policy="leaf" if policy == "rank" else policy)
     lru2 = policy == "leaf"
+    if policy == "rank":  # e.g. the pressure bench's clairvoyant order
+        index.rank = lambda n: float(int(n.key[:6], 16) % 7)
     keys: list[tuple[str, KVFragment]] = []
     leases = []
     for t in range(300):
@@ -470,7 +473,8 @@ def test_eviction_order_is_the_first_leaf_of_all_at_every_step(policy):
             keys.append((k, f))
         if t % 25 == 24:  # every so often, free two chunks and check each against a scan
             for _ in range(2):
-                cand = sorted((n.prev_access if lru2 else 0.0, n.last_access, -n.end, n.key)
+                cand = sorted((index.rank(n) if index.rank else n.prev_access if lru2
+                               else 0.0, n.last_access, -n.end, n.key)
                               for n in index._nodes.values() if index._evictable(n, 0))
                 before = set(store.keys())
                 freed = index.evict(1)

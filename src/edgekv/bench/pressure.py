@@ -11,6 +11,11 @@ run, on the same request sequence:
   recently used leaf first ("leaf_lru": the order before LRU-2), on the same requests;
 - "unbounded": nothing is evicted or freed (the ceiling of what reuse can reach).
 
+Each leaf row also carries a reference no cache can run ("leaf_clairvoyant"): the same index
+evicting the leaf whose next read is furthest in the future first (Belady's order, the next
+reads taken from the unbounded run), so the row shows how much of the ceiling any leaf order
+could reach on that tier, and how close LRU-2 comes.
+
 The RAM tier's capacity is the workload's KV over the ratio: every chunk and tail it stores,
 once (what the leaf index holds when it is never full, having freed only the tails a longer
 path repeats); a cache that frees nothing holds more (reported beside it).
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import queue
 import random
@@ -100,21 +106,42 @@ class Workload:
 
 
 def run_policy(adapter: KVAdapter, work: Workload, policy: str, capacity: int,
-               cache_dir: Path, chunk_size: int) -> dict[str, Any]:
-    """One pass of the workload through a RAM tier of `capacity` bytes under `policy`."""
+               cache_dir: Path, chunk_size: int,
+               reads: Sequence[Sequence[str]] | None = None) -> dict[str, Any]:
+    """One pass of the workload through a RAM tier of `capacity` bytes under `policy`.
+    "clairvoyant" (with `reads`, what each request read in the unbounded run): the leaf index
+    evicting the leaf whose next read is furthest away first (Belady's order, which no online
+    policy can know: how much any leaf order could reach on this tier). The unbounded run
+    returns its `reads`."""
     # "unbounded" frees nothing (an LRU that is never full): what it holds at the end is all
     # the KV the workload stored; "unique" is the leaf index never full, which frees only
     # the tails a longer path repeats: the KV the workload needs
     cfg = CacheConfig(chunk_size=chunk_size, cache_dir=cache_dir,
-                      eviction={"unique": "leaf", "unbounded": "lru"}.get(policy, policy),
+                      eviction={"unique": "leaf", "unbounded": "lru",
+                                "clairvoyant": "leaf"}.get(policy, policy),
                       ram_capacity_bytes=capacity)
     store = MemoryStore(capacity)
     kv = EdgeKV(adapter, store, cfg)
+    clock = [0]  # the request being served
+    if policy == "clairvoyant":
+        kv.index.rank = _next_read_rank(reads or [], clock)
+    read: list[list[str]] = []
+    if policy == "unbounded":  # a request's matched path is what it pins
+        pin = kv.index.pin
+
+        def pin_and_note(keys: Any) -> Any:
+            keys = list(keys)
+            read[-1].extend(keys)
+            return pin(keys)
+
+        kv.index.pin = pin_and_note  # type: ignore[method-assign]
     answers: dict[int, list[list[int]]] = {}
     reused = prompt_tokens = hits = 0
     ttft: list[float] = []
     orphans = 0
-    for conv, turn in work.schedule:
+    for i, (conv, turn) in enumerate(work.schedule):
+        clock[0] = i
+        read.append([])
         mine = answers.setdefault(conv, [])
         del mine[turn:]
         r = kv.generate(work.prompt(conv, turn, mine), max_tokens=work.max_tokens)
@@ -131,7 +158,28 @@ def run_policy(adapter: KVAdapter, work: Workload, policy: str, capacity: int,
             "hit_rate": round(hits / len(work.schedule), 4),
             "ttft_ms_mean": round(statistics.fmean(ttft) * 1000, 3),
             "ttft_ms_p95": round(_p95(ttft) * 1000, 3), "orphan_bytes_max": orphans,
-            "held_bytes_end": held, "granularity": kv.granularity}
+            "held_bytes_end": held, "granularity": kv.granularity,
+            **({"reads": read} if policy == "unbounded" else {})}
+
+
+def _next_read_rank(reads: Sequence[Sequence[str]],
+                    clock: list[int]) -> Callable[[Any], float]:
+    """The clairvoyant leaf order's rank: minus the index of the next request after
+    `clock[0]` that reads the node (-inf: never again), so the furthest goes first. It changes
+    only when that request reads the node, which touches it (the index re-ranks it then)."""
+    import bisect
+
+    when: dict[str, list[int]] = {}
+    for i, keys in enumerate(reads):
+        for key in dict.fromkeys(keys):
+            when.setdefault(key, []).append(i)
+
+    def rank(node: Any) -> float:
+        at = when.get(node.key, [])
+        j = bisect.bisect_right(at, clock[0])
+        return -float(at[j]) if j < len(at) else -math.inf
+
+    return rank
 
 
 def run_pressure(adapter: KVAdapter, work: Workload, ratios: Sequence[float], tmp: Path,
@@ -146,6 +194,7 @@ def run_pressure(adapter: KVAdapter, work: Workload, ratios: Sequence[float], tm
     each ratio's RAM tier as an earlier run sized it instead, to compare two versions of the
     cache on the same RAM."""
     ceiling = run_policy(adapter, work, "unbounded", 1 << 40, tmp / f"{engine}-unb", chunk_size)
+    reads = ceiling.pop("reads")
     unique = run_policy(adapter, work, "unique", 1 << 40, tmp / f"{engine}-unique", chunk_size)
     total = unique["held_bytes_end"]
     say(f"{engine}: the workload needs {total} B of KV (reusing {unique['reused_tokens']}); "
@@ -171,6 +220,13 @@ def run_pressure(adapter: KVAdapter, work: Workload, ratios: Sequence[float], tm
                     "orphan_bytes_max", "held_bytes_end")}
                 row["leaf_lru"]["reused_vs_unbounded"] = round(
                     plain["reused_tokens"] / max(1, ceiling["reused_tokens"]), 4)
+                # the reference (not a policy one can run: it knows the future), so no TTFT
+                best = run_policy(adapter, work, "clairvoyant", capacity,
+                                  tmp / f"{engine}-clairvoyant-{ratio}", chunk_size, reads)
+                row["leaf_clairvoyant"] = {k: best[k] for k in (
+                    "reused_tokens", "hit_rate", "orphan_bytes_max", "held_bytes_end")}
+                row["leaf_clairvoyant"]["reused_vs_unbounded"] = round(
+                    best["reused_tokens"] / max(1, ceiling["reused_tokens"]), 4)
             if engine == "fake":  # its clock measures nothing a user waits for
                 row["ttft_ms_mean"] = row["ttft_ms_p95"] = None
                 if "leaf_lru" in row:
@@ -442,11 +498,13 @@ def pressure_table(res: dict[str, Any]) -> str:
     rows = []
     for r in res["pressure"]:
         for name, x in ((r["policy"] + (" (LRU-2)" if "leaf_lru" in r else ""), r),
-                        ("leaf (least recently used)", r.get("leaf_lru"))):
+                        ("leaf (least recently used)", r.get("leaf_lru")),
+                        ("leaf (clairvoyant: furthest next read first)",
+                         r.get("leaf_clairvoyant"))):
             if x is not None:
                 rows.append([r["engine"], f"{r['ratio']:g}x", name, x["reused_tokens"],
                              f"{x['reused_vs_unbounded']:.1%}", f"{x['hit_rate']:.1%}",
-                             ms(x["ttft_ms_mean"]), ms(x["ttft_ms_p95"]),
+                             ms(x.get("ttft_ms_mean")), ms(x.get("ttft_ms_p95")),
                              x["orphan_bytes_max"]])
     setup = res.get("setup", {})
     kv = "; ".join(f"{eng}: {r['kv_total_bytes'] / 1e6:.2f} MB (every chunk and tail once; a "
