@@ -71,3 +71,25 @@ def test_the_table_marks_a_reduced_run():
     res = {"rows": [row], "runs": 5, "prompts": 4, "threads": 2, "models": ["m"]}
     text = kernels.kernels_table(res)
     assert "REDUCED RUN" in text and "9/9" in text and "300 (290-310)" in text
+
+
+def test_a_rounds_decode_speed_is_its_median_step():
+    """A burst of load that stalls a few of a round's steps moves the whole-time figure, not
+    the decode speed (1 / the median step); the figures are medians over the rounds."""
+    calm = {"prefill_512_s": 2.0, "prefill_2048_s": 8.0, "decode_steps_s": [0.005] * 64,
+            "decode_2048_steps_s": [0.01] * 64}
+    burst = dict(calm, decode_steps_s=[0.005] * 60 + [0.5] * 4)
+    s = kernels.speeds([calm, burst, calm])
+    assert s["prefill_tok_s_512"] == 256.0 and s["prefill_tok_s_2048"] == 256.0
+    assert s["decode_tok_s"] == 200.0 and s["decode_tok_s_spread"] == [200.0, 200.0]
+    assert s["decode_tok_s_after_2048"] == 100.0 and s["decode_steps"] == 64
+    assert kernels.speeds([burst])["decode_tok_s_whole"] < 50 < kernels.speeds([burst])[
+        "decode_tok_s"]
+
+
+def test_the_worker_times_every_decode_step():
+    from edgekv.engines.fake import FakeAdapter
+
+    out = kernels_worker._speed(FakeAdapter(n_ctx=4096))
+    assert len(out["decode_steps_s"]) == len(out["decode_2048_steps_s"]) == 64
+    assert all(t > 0 for t in out["decode_steps_s"] + out["decode_2048_steps_s"])

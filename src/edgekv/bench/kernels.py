@@ -19,7 +19,11 @@ libraries), so no two builds' kernels share a process. The contract's speeds com
 harness for every row (llama-cpp-python, one batch per prompt, as a plain user runs it); the
 stock rows (and the patched one, where its llama-bench is built) also carry llama-bench's own
 figures (`llama_bench_*`). Rounds are interleaved (every row once per round, the order rotated)
-and each figure is the median over the rounds with its [min, max] spread beside it. The probe
+and each figure is the median over the rounds with its [min, max] spread beside it. A round's
+decode speed (after a 16-token prompt, and after the 2,048-token one) is one over the median of
+its 64 timed steps, so a burst of load on a shared machine moves a few steps rather than the
+figure; steps over their total time is beside it (`decode_tok_s_whole`,
+`decode_tok_s_after_2048_whole`). The probe
 and the divergence are deterministic and run once per row.
 """
 
@@ -211,19 +215,12 @@ def run_kernels_bench(models: Sequence[str] = MODELS, builds: Sequence[str] = BU
     rows = []
     for m, b in cells:
         s, q = speed[(m, b.name)], quality[(m, b.name)]
-        p512, p512s = _stat([512 / x["prefill_512_s"] for x in s])
-        p2k, p2ks = _stat([2048 / x["prefill_2048_s"] for x in s])
-        dec, decs = _stat([32 / x["decode_s"] for x in s])
-        dec2k, dec2ks = _stat([32 / x["decode_2048_s"] for x in s if "decode_2048_s" in x])
         div = q["first_divergence"]
         row: dict[str, Any] = {
             "model": m, "weights": paths[m][1], "build": b.name, "flash_attn": b.flash_attn,
-            "prefill_tok_s_512": p512, "prefill_tok_s_2048": p2k, "decode_tok_s": dec,
+            **speeds(s),
             "probe_identical": q["probe"]["identical"], "probe_total": q["probe"]["total"],
-            "first_divergence_mean": round(sum(div) / len(div), 2),
-            "prefill_tok_s_512_spread": p512s, "prefill_tok_s_2048_spread": p2ks,
-            "decode_tok_s_spread": decs, "decode_tok_s_after_2048": dec2k,
-            "decode_tok_s_after_2048_spread": dec2ks, "first_divergence": div,
+            "first_divergence_mean": round(sum(div) / len(div), 2), "first_divergence": div,
             "probe_failed": q["probe"]["failed"], "probe_seconds": round(q["probe"]["seconds"], 1),
             "speed_source": "llama-cpp-python (kernels_worker)", "runs": len(s),
             "lib": str(b.lib) if b.lib else ".venv", "env": b.env, "build_info": q["build_info"],
@@ -238,6 +235,23 @@ def run_kernels_bench(models: Sequence[str] = MODELS, builds: Sequence[str] = BU
             "threads": threads,
             "models": list(models), "builds": list(builds), "seconds": round(time.time() - t0),
             "environment": environment()}
+
+
+def speeds(rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """A row's speeds from its rounds' worker results: each figure's median over the rounds
+    and its [min, max] spread. A round's decode speed is 1 / its median step (a burst of load
+    moves a few steps, not the figure); `*_whole` is steps over their total time."""
+    out: dict[str, Any] = {}
+    for n in (512, 2048):
+        out[f"prefill_tok_s_{n}"], out[f"prefill_tok_s_{n}_spread"] = _stat(
+            [n / x[f"prefill_{n}_s"] for x in rounds])
+    for key, steps in (("decode_tok_s", "decode_steps_s"),
+                       ("decode_tok_s_after_2048", "decode_2048_steps_s")):
+        out[key], out[f"{key}_spread"] = _stat(
+            [1 / statistics.median(x[steps]) for x in rounds])
+        out[f"{key}_whole"] = _stat([len(x[steps]) / sum(x[steps]) for x in rounds])[0]
+    out["decode_steps"] = len(rounds[0]["decode_steps_s"])
+    return out
 
 
 def kernels_table(res: dict[str, Any]) -> str:
@@ -262,8 +276,11 @@ def kernels_table(res: dict[str, Any]) -> str:
                      lb,
                      f"{r['probe_identical']}/{r['probe_total']}",
                      f"{r['first_divergence_mean']:g}"])
+    steps = next((r.get("decode_steps") for r in res["rows"]), None)
     note = (f"Medians over {res['runs']} interleaved rounds (min-max in brackets), "
-            f"{res['threads']} threads; first divergence: mean over {res['prompts']} prompts of "
+            f"{res['threads']} threads; a round's decode speed is 1 / its median step "
+            f"({steps or 'its'} greedy steps; the rows' decode_tok_s_whole: steps / their "
+            "total time); first divergence: mean over {res['prompts']} prompts of "
             "the first of 64 greedy tokens that differs from the one-batch run (64 = none).")
     if res["runs"] < 5 or res["prompts"] < 20 or len(res["models"]) < len(MODELS):
         note += (" REDUCED RUN: fewer rounds, prompts or models than the full matrix "
