@@ -280,7 +280,7 @@ def kernels_table(res: dict[str, Any]) -> str:
     note = (f"Medians over {res['runs']} interleaved rounds (min-max in brackets), "
             f"{res['threads']} threads; a round's decode speed is 1 / its median step "
             f"({steps or 'its'} greedy steps; the rows' decode_tok_s_whole: steps / their "
-            "total time); first divergence: mean over {res['prompts']} prompts of "
+            f"total time); first divergence: mean over {res['prompts']} prompts of "
             "the first of 64 greedy tokens that differs from the one-batch run (64 = none).")
     if res["runs"] < 5 or res["prompts"] < 20 or len(res["models"]) < len(MODELS):
         note += (" REDUCED RUN: fewer rounds, prompts or models than the full matrix "
