@@ -301,6 +301,8 @@ def kernels_table(res: dict[str, Any]) -> str:
 
 
 RATIO_KEYS = ("prefill_tok_s_512", "prefill_tok_s_2048", "decode_tok_s", "decode_tok_s_after_2048")
+# in the JSON's ratios too, not in the table: decode as steps over their total time
+WHOLE_KEYS = ("decode_tok_s_whole", "decode_tok_s_after_2048_whole")
 
 
 def stock_ratios(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -313,7 +315,7 @@ def stock_ratios(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         if mine is None or not stock:
             continue
         ratio: dict[str, Any] = {"model": model}
-        for k in RATIO_KEYS:
+        for k in RATIO_KEYS + WHOLE_KEYS:
             best = max((r[k] for r in stock if r.get(k)), default=None)
             ratio[k] = round(mine[k] / best, 3) if best and mine.get(k) else None
         out.append(ratio)
