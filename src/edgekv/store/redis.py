@@ -300,14 +300,16 @@ class RedisStore(FragmentStore):
     def put_many(self, items: Sequence[tuple[str, KVFragment]]) -> None:
         """On a single Redis, every fragment, its lifecycle and its parent's successor entry
         in one MULTI/EXEC: a request's new chunks in one round trip, all of them landing or
-        none (a failure raises `StoreError`, nothing is written). On a cluster each chunk is
-        in its own slot, which no transaction spans: one `put` each.
+        none (a failure raises `StoreError`, nothing is written), except for want of room
+        (below). On a cluster each chunk is in its own slot, which no transaction spans: one
+        `put` each.
 
         A full Redis refuses the whole transaction when its eviction policy cannot free room
         for all of it at once (the queued payload and the query buffer holding it count
-        twice against `maxmemory`); then the chunks go one `put` at a time, parents first,
-        so `allkeys-lru` evicts between them and a chain's written part stays a reachable
-        prefix. Under `noeviction` they land until one is refused, which raises."""
+        twice against `maxmemory`); then the chunks go one `put` at a time in the order
+        given (the writeback's: parents first), so `allkeys-lru` evicts between them and a
+        chain's written part stays a reachable prefix. Under `noeviction` they land until one
+        is refused, which raises."""
         if self.cluster or len(items) < 2:
             for key, frag in items:
                 self.put(key, frag)
