@@ -83,6 +83,14 @@ class Node:
         self.last_access = now
 
 
+def _second_to_last_access(n: Node) -> float:
+    return n.prev_access
+
+
+def _no_rank(n: Node) -> float:
+    return 0.0
+
+
 @dataclass(frozen=True, slots=True)
 class Successor:
     """The radix step's answer: the stored chunk `key` hangs off chunk `k0 - 1` of the
@@ -125,7 +133,6 @@ class PrefixIndex:
                              "used) or 'lru' (each tier's own LRU)")
         self.fingerprint, self.layouts, self.policy = fingerprint, layouts, policy
         self._leaf = policy != "lru"  # the index evicts (leaves first)
-        self._lru2 = policy == "leaf"  # ... by second-to-last access
         self.chunk_size = chunk_size  # 0: unknown, so no tail is taken for redundant
         self.tiers = store.tier_list()
         self._tier_at = {t.name: i for i, t in reversed(list(enumerate(self.tiers)))}
@@ -138,10 +145,12 @@ class PrefixIndex:
         # while its own longer tail is stored), by `free_superseded`
         self._superseded: dict[str, tuple[Node, Node]] = {}
         self.evictions = 0  # nodes evicted from a tier by `evict`
-        # a leaf order given from outside, replacing LRU-2's rank (smaller goes first; the
-        # rest of the order stays): `bench pressure`'s clairvoyant reference, which knows
-        # each chunk's next read. A rank may change only when its node is touched or stored
-        self.rank: Callable[[Node], float] | None = None
+        # the leaf order's first key, smaller goes first (then least recent access, deepest,
+        # key): the second-to-last access for LRU-2, nothing for the plain order. `bench
+        # pressure`'s clairvoyant reference replaces it with each chunk's next read; a rank
+        # may change only when its node is touched or stored (the node is re-pushed then)
+        self.rank: Callable[[Node], float] = (
+            _second_to_last_access if policy == "leaf" else _no_rank)
         # per tier, the eviction candidates by (rank, last access, -end, key), rank the
         # second-to-last access (LRU-2) or 0: pushed whenever a node's access, pins or what
         # its tier and its children hold changes; a popped entry that no longer describes its
@@ -424,9 +433,7 @@ class PrefixIndex:
                     self._reheap(i)
 
     def _entry(self, n: Node) -> tuple[float, float, int, str, int, Node]:
-        rank = (self.rank(n) if self.rank is not None
-                else n.prev_access if self._lru2 else 0.0)
-        return (rank, n.last_access, -n.end, n.key, next(self._pushed), n)
+        return (self.rank(n), n.last_access, -n.end, n.key, next(self._pushed), n)
 
     def _reheap(self, *tiers: int) -> None:
         """The candidate heaps from the nodes themselves (after a rebuild, or when stale

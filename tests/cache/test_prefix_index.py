@@ -451,8 +451,11 @@ def test_eviction_order_is_the_first_leaf_of_all_at_every_step(policy):
     store = MemoryStore(1 << 40)
     index = PrefixIndex(store, FP, whole, policy="leaf" if policy == "rank" else policy)
     lru2 = policy == "leaf"
-    if policy == "rank":  # e.g. the pressure bench's clairvoyant order
-        index.rank = lambda n: float(int(n.key[:6], 16) % 7)
+    def given(n):  # e.g. the pressure bench's clairvoyant order
+        return float(int(n.key[:6], 16) % 7)
+
+    if policy == "rank":
+        index.rank = given
     keys: list[tuple[str, KVFragment]] = []
     leases = []
     for t in range(300):
@@ -473,7 +476,7 @@ def test_eviction_order_is_the_first_leaf_of_all_at_every_step(policy):
             keys.append((k, f))
         if t % 25 == 24:  # every so often, free two chunks and check each against a scan
             for _ in range(2):
-                cand = sorted((index.rank(n) if index.rank else n.prev_access if lru2
+                cand = sorted((given(n) if policy == "rank" else n.prev_access if lru2
                                else 0.0, n.last_access, -n.end, n.key)
                               for n in index._nodes.values() if index._evictable(n, 0))
                 before = set(store.keys())

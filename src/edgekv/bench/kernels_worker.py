@@ -45,12 +45,18 @@ def divergence_prompts(n: int) -> list[str]:
     return out
 
 
-def _greedy(adapter: Any, logits: np.ndarray, n: int) -> list[int]:
+def _greedy(adapter: Any, logits: np.ndarray, n: int,
+            times: list[float] | None = None) -> list[int]:
+    """`n` greedy decode steps from `logits`, their tokens; each step's seconds appended to
+    `times` where given."""
     out = []
     for _ in range(n):
+        t0 = time.perf_counter()
         tok = int(np.argmax(logits))
         out.append(tok)
         logits = adapter.prefill([tok], align=adapter.n_ctx)
+        if times is not None:
+            times.append(time.perf_counter() - t0)
     return out
 
 
@@ -68,16 +74,6 @@ def first_divergence(adapter: Any, prompt: str) -> int:
                 DIVERGENCE_TOKENS)
 
 
-def _timed_steps(adapter: Any, logits: np.ndarray, n: int) -> list[float]:
-    """`n` greedy decode steps from `logits`; each step's seconds."""
-    out = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        logits = adapter.prefill([int(np.argmax(logits))], align=adapter.n_ctx)
-        out.append(time.perf_counter() - t0)
-    return out
-
-
 def _speed(adapter: Any) -> dict[str, Any]:
     from ..engines.probe import probe_tokens
 
@@ -89,11 +85,11 @@ def _speed(adapter: Any) -> dict[str, Any]:
         logits = adapter.prefill(toks, align=adapter.n_ctx)
         out[f"prefill_{n}_s"] = time.perf_counter() - t0
     # decode over a long context: attention reads 2,048+ cells a step
-    out["decode_2048_steps_s"] = _timed_steps(adapter, logits, DECODE_TOKENS)
+    _greedy(adapter, logits, DECODE_TOKENS, out.setdefault("decode_2048_steps_s", []))
     toks = probe_tokens(adapter, DECODE_PROMPT)
     adapter.clear_kv_cache()
     logits = adapter.prefill(toks, align=adapter.n_ctx)
-    out["decode_steps_s"] = _timed_steps(adapter, logits, DECODE_TOKENS)
+    _greedy(adapter, logits, DECODE_TOKENS, out.setdefault("decode_steps_s", []))
     adapter.clear_kv_cache()
     return out
 

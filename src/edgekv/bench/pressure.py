@@ -125,27 +125,18 @@ def run_policy(adapter: KVAdapter, work: Workload, policy: str, capacity: int,
     clock = [0]  # the request being served
     if policy == "clairvoyant":
         kv.index.rank = _next_read_rank(reads or [], clock)
-    read: list[list[str]] = []
-    if policy == "unbounded":  # a request's matched path is what it pins
-        pin = kv.index.pin
-
-        def pin_and_note(keys: Any) -> Any:
-            keys = list(keys)
-            read[-1].extend(keys)
-            return pin(keys)
-
-        kv.index.pin = pin_and_note  # type: ignore[method-assign]
+    read: list[list[str]] = []  # per request, the chunks its match read
     answers: dict[int, list[list[int]]] = {}
     reused = prompt_tokens = hits = 0
     ttft: list[float] = []
     orphans = 0
     for i, (conv, turn) in enumerate(work.schedule):
         clock[0] = i
-        read.append([])
         mine = answers.setdefault(conv, [])
         del mine[turn:]
         r = kv.generate(work.prompt(conv, turn, mine), max_tokens=work.max_tokens)
         mine.append(list(r.tokens))
+        read.append([c.chain_key for c in r.match.chunks])
         reused += r.cached_tokens
         prompt_tokens += r.prompt_tokens
         hits += r.cached_tokens > 0
