@@ -289,7 +289,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     opts = ServeOptions(api_keys=api_keys(args.api_key or (), args.api_key_file or ()),
                         max_queue=args.max_queue, use_cache=not args.no_cache,
                         allow_approximate=args.approximate, parallel=args.parallel,
-                        kv_tenant=args.kv_tenant if fill is not None else None)  # keys first
+                        kv_tenant=args.kv_tenant if fill is not None else None,
+                        ui=not args.no_ui)  # keys first
     model = resolve_model(args.model)  # a bad --model fails now, not after the socket is up
     cfg = _config(args)
     if args.passage_reuse:
@@ -461,6 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--threads", type=int, help="engine threads (default: all cores)")
     sv.add_argument("--no-cache", action="store_true",
                     help="answer every request cold, storing nothing (a reference run)")
+    sv.add_argument("--no-ui", action="store_true", help="no page at / (the API is unchanged)")
     sv.add_argument("--max-queue", type=int, default=16,
                     help="waiting requests per tenant before 429 (default 16)")
     sv.add_argument("--parallel", type=int, default=1, metavar="N",

@@ -4,8 +4,9 @@
 function that builds it; the function runs on the worker thread after the socket is up, so
 `GET /health` answers 503 while the model loads and 200 once it can serve. Requests are checked
 (key, size, fields, model, context) before they are queued; what is left is the worker's.
-With API keys, every route but `/health` needs one, `/metrics` too: its prefix-cache counters
-move when other tenants' requests hit, a timing channel that `cache_salt` exists to close.
+With API keys, every route but `/health` and the page (`/`, `/ui/*`: no data; ui.py) needs one,
+`/metrics` too: its prefix-cache counters move when other tenants' requests hit, a timing
+channel that `cache_salt` exists to close.
 
 EdgeKV's extensions (schemas.py, responses.py): `documents` (RAG passages, with
 `--passage-reuse` only), `approximate: true` (with `ServeOptions.allow_approximate` only), the
@@ -53,6 +54,7 @@ from .scheduler import Job, Scheduler
 from .schemas import ChatRequest, CompletionRequest, parse_request
 from .structured import response_grammar
 from .tools import ToolPlan, chat_prompt, plan_tools
+from .ui import mount
 
 __all__ = ["ServeOptions", "create_app"]
 
@@ -66,6 +68,7 @@ class ServeOptions:
     allow_approximate: bool = False  # --approximate: a request may ask `"approximate": true`
     kv_tenant: str | None = None  # --kv-server: untenanted requests use this tenant's chain
     parallel: int = 1  # --parallel: requests generating at once, where batching is exact
+    ui: bool = True  # the page at / (ui.py); --no-ui: 404 there
 
     def __post_init__(self) -> None:
         if self.parallel < 1:
@@ -105,6 +108,7 @@ def create_app(kv: EdgeKV | Callable[[], EdgeKV], *, model_id: str | None = None
     app.add_api_route("/v1/models/{name}", server.model, methods=["GET"])
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/metrics", server.metrics_text, methods=["GET"])
+    mount(app, server.metrics, options.api_keys, page=options.ui)  # /, /ui/*, /v1/edgekv/stats
     app.add_exception_handler(APIError, api_error_response)  # type: ignore[arg-type]
     app.add_exception_handler(HTTPException, http_error_response)  # type: ignore[arg-type]
     app.add_exception_handler(ClientDisconnect, client_gone_response)
