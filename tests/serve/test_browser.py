@@ -176,9 +176,12 @@ def test_two_turns_show_the_cache_working(server, browser, shots):
     from selenium.webdriver.common.keys import Keys
 
     d = browser
+    navigation = ("document.readyState === 'complete' && "
+                  "performance.getEntriesByType('navigation')[0].toJSON()")
     d.get(server + "/")
-    nav = wait(d, "document.readyState === 'complete' && "
-               "performance.getEntriesByType('navigation')[0].toJSON()", 30)
+    nav = wait(d, navigation, 30)  # the browser's first page
+    d.refresh()
+    again = wait(d, navigation, 30)  # the same page once more (the browser started)
     wait(d, "!document.getElementById('stats-error').hidden", 30, "the key to be asked for")
     assert "API key" in d.find_element("id", "stats-error").text
     shots(d, "01-asks-for-the-key")
@@ -210,9 +213,10 @@ def test_two_turns_show_the_cache_working(server, browser, shots):
     wait(d, "document.querySelector('#spark polyline')", 30, "the TTFT sparkline")
     shots(d, "04-second-turn-warm")
 
-    start = nav["startTime"]
-    timings = {"page_load_ms": round(nav["loadEventEnd"] - start, 1),
-               "dom_content_loaded_ms": round(nav["domContentLoadedEventEnd"] - start, 1),
+    timings = {"page_load_ms": round(nav["loadEventEnd"] - nav["startTime"], 1),
+               "reload_ms": round(again["loadEventEnd"] - again["startTime"], 1),
+               "reload_dom_content_loaded_ms": round(again["domContentLoadedEventEnd"]
+                                                     - again["startTime"], 1),
                "cold_ttft_ms": float(first["ttftMs"]), "warm_ttft_ms": float(second["ttftMs"]),
                "warm_cached_tokens": cached, "warm_prompt_tokens": int(second["prompt"]),
                "hit_rate": [cold_rate, warm_rate]}

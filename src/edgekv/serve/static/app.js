@@ -256,11 +256,16 @@
     const pts = spark.points;
     if (!pts.length) return;
     const max = Math.max(...pts) || 1;
-    const step = pts.length > 1 ? 240 / (pts.length - 1) : 0;
-    const xy = pts.map((v, i) => `${(i * step).toFixed(1)},${(46 - (v / max) * 44).toFixed(1)}`);
+    const step = pts.length > 1 ? 232 / (pts.length - 1) : 0; // 4 units of margin each side
+    const xy = pts.map((v, i) => `${(4 + i * step).toFixed(1)},${(44 - (v / max) * 40).toFixed(1)}`);
     const line = document.createElementNS(ns, "polyline");
     line.setAttribute("points", xy.join(" "));
-    svg.append(line);
+    const dot = document.createElementNS(ns, "circle"); // the latest (and a lone first) point
+    const [cx, cy] = xy[xy.length - 1].split(",");
+    dot.setAttribute("cx", cx);
+    dot.setAttribute("cy", cy);
+    dot.setAttribute("r", "2.5");
+    svg.append(line, dot);
     const last = pts[pts.length - 1];
     $("spark-label").textContent = `last ${fmtMs(last * 1000)} · max ${fmtMs(max * 1000)} · ` +
       `${pts.length} point${pts.length > 1 ? "s" : ""}`;
