@@ -26,12 +26,21 @@ from edgekv.cli import build_parser, main
     (["serve", "--parallel", "0"], "--parallel 0: give 1 or more"),
     (["serve", "--parallel", "2", "--passage-reuse"], "drop one of them"),
     (["serve", "--parallel", "4", "--kv-server", "http://127.0.0.1:9"], "drop one of them"),
+    (["generate", "hi", "--raw", "--chat"], "contradict each other"),
+    (["generate", "hi", "--raw", "--system", "be brief"], "--system is a chat message"),
+    (["generate", "hi", "--passage-reuse", "--chat"], "does not combine with --chat"),
 ])
 def test_conflicting_or_incomplete_switches_are_refused(tmp_path, capsys, argv, message):
     (tmp_path / "kv-server.secret").write_text("00" * 32)  # where --kv-secret-file defaults
     rc = main([*argv, "--cache-dir", str(tmp_path)])
     err = capsys.readouterr().err
     assert rc == 2 and "edgekv: error:" in err and message in err
+
+
+def test_a_bad_first_probe_setting_is_refused_before_loading(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("EDGEKV_FIRST_PROBE", "later")
+    rc = main(["generate", "hi", "--cache-dir", str(tmp_path)])
+    assert rc == 2 and "EDGEKV_FIRST_PROBE='later': give short or full" in capsys.readouterr().err
 
 
 def test_a_missing_kv_secret_is_refused_with_what_to_do(tmp_path, capsys):

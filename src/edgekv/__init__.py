@@ -48,7 +48,7 @@ def open_llamacpp(model: str | Path | None = None, config: CacheConfig | None = 
                   n_ctx: int = 2048, n_threads: int | None = None, semantic: bool = False,
                   prefetch: bool = False, engine: str = "llamacpp",
                   fill: FillStep | None = None, store_url: str | None = None,
-                  **llama_kwargs: object) -> EdgeKV:
+                  staged_probe: bool = False, **llama_kwargs: object) -> EdgeKV:
     """An EdgeKV over an engine (llama.cpp by default, `engine="torch"` or `"onnx"`) with the
     default RAM + disk store (model: SmolLM2 by default).
 
@@ -56,7 +56,8 @@ def open_llamacpp(model: str | Path | None = None, config: CacheConfig | None = 
     `prefetch=True` adds the n-gram prefetcher that warms predicted contexts into RAM;
     `fill`: the step between injection and prefill, e.g. SparKV loading from a KV server
     (`stream.hybrid.HybridLoader`); `store_url`: the store behind RAM instead of the disk
-    store (`store.open_store_url`: redis://... shares fragments between processes).
+    store (`store.open_store_url`: redis://... shares fragments between processes);
+    `staged_probe`: a first start runs the probe's short stage only (`EdgeKV`).
     """
     from .engines import open_adapter
 
@@ -69,7 +70,8 @@ def open_llamacpp(model: str | Path | None = None, config: CacheConfig | None = 
         from .semantic import MiniLMEmbedder
 
         router = open_router(MiniLMEmbedder(config.cache_dir), store, config)
-    return EdgeKV(adapter, store, config, router=router, prefetch=prefetch, fill=fill)
+    return EdgeKV(adapter, store, config, router=router, prefetch=prefetch, fill=fill,
+                  staged_probe=staged_probe)
 
 
 def open_router(embedder: Embedder, store: FragmentStore,

@@ -27,7 +27,10 @@ import numpy as np
 
 from .config import CacheConfig
 from .engines.base import Generation, KVAdapter, TokenCallback, WindowedKV
-from .engines.probe import ProbeResult, load_or_probe
+from .engines.probe import ProbeFinisher, ProbeResult, finish_later, load_or_probe
+from .engines.probe import finish_probe as finish_pending
+from .engines.probe import record as record_probe
+from .engines.spec import Speculation
 from .errors import (
     ChunkRejected,
     ConfigError,
@@ -80,11 +83,13 @@ class EdgeKV:
     def __init__(self, adapter: KVAdapter, store: FragmentStore,
                  config: CacheConfig | None = None, *, router: Router | None = None,
                  prefetcher: PrefetchHook | None = None, prefetch: bool = False,
-                 fill: FillStep | None = None) -> None:
+                 fill: FillStep | None = None, staged_probe: bool = False) -> None:
         """`router`: semantic routing (`semantic.SemanticRouter`); `prefetch`: the n-gram
         prefetcher (`prefetch.Prefetcher`, or your own `prefetcher`); `fill`: the step between
         injection and prefill, e.g. SparKV's `stream.hybrid.HybridLoader` (default: local
-        prefill, or passage placement with `config.passage_reuse`)."""
+        prefill, or passage placement with `config.passage_reuse`); `staged_probe`: where no
+        whole probe answer is recorded, run its short stage only and start with whole-chunk
+        reuse; `probe_pending` then says so, and `adopt_probe` takes the finished answer."""
         self.adapter, self.store = adapter, store
         self.config = config or CacheConfig()
         self.router = router
@@ -104,10 +109,9 @@ class EdgeKV:
         self.granularity_reason = "configured: reuse_granularity=chunk"
         if self.config.reuse_granularity == "auto":
             try:
-                self.probe = load_or_probe(adapter, self.config.cache_dir / "probes")
-                self.granularity_reason = (
-                    "batch-invariance probe passed" if self.probe.invariant else
-                    "batch-invariance probe failed: " + ", ".join(self.probe.failed))
+                self.probe = load_or_probe(adapter, self.config.cache_dir / "probes",
+                                           staged=staged_probe)
+                self.granularity_reason = self.probe.reason
             except EdgeKVError as e:  # e.g. a state layout the probe cannot read
                 log.warning("batch-invariance probe could not run (%s); whole-chunk reuse", e)
                 self.granularity_reason = f"batch-invariance probe could not run: {e}"
@@ -145,6 +149,11 @@ class EdgeKV:
         self._computing: dict[str, _Claim] = {}
         self.inflight_waits = 0  # generations that waited for another's prompt chunks
         self.inflight_wait_s = 0.0
+        # speculative decoding, decided now (the engine is idle) and again when a staged
+        # probe's answer is adopted: `speculation`, and why it is on or off
+        self.speculation: Speculation | None = None
+        self.speculation_reason = ""
+        self._decide_speculation()
 
     # -- public API ----------------------------------------------------------------------
 
@@ -152,6 +161,59 @@ class EdgeKV:
     def granularity(self) -> str:
         """"token": reuse ends at any token; "chunk": whole chunks only (see the module doc)."""
         return "token" if self.token_exact else "chunk"
+
+    @property
+    def probe_pending(self) -> tuple[str, ...]:
+        """The probe's stages still to run (a staged start); () once it is whole."""
+        return self.probe.pending if self.probe is not None else ()
+
+    def adopt_probe(self, result: ProbeResult) -> bool:
+        """Take the finished probe answer of a staged start (`engines.probe.finish_probe`):
+        where it passed, reuse ends at any token from the next request on; whether it did.
+        Chunks stored meanwhile stay valid: where the kernels are batch-invariant, a chunk
+        prefilled in chunk-aligned batches holds the KV a one-batch prefill computes."""
+        if self.probe is None or result.key != self.probe.key or result.pending:
+            raise ValueError("adopt_probe takes the finished probe of this cache's engine")
+        with self._steps:
+            self.probe, self.granularity_reason = result, result.reason
+            self.token_exact = result.invariant
+            self.matcher.token_exact = self.writeback.token_exact = result.invariant
+            self._decide_speculation()
+        log.info("batch-invariance probe finished: %s", result.reason)
+        return result.invariant
+
+    def finish_probe(self, *, background: bool = True) -> ProbeFinisher | None:
+        """Run the probe stages a staged start left pending, record the answer and adopt it:
+        in the background where the engine can open a second context (`Twinned`; the
+        finisher returned), else here. None where nothing is pending or it ran here."""
+        if self.probe is None or not self.probe.pending:
+            return None
+        probe_dir = self.config.cache_dir / "probes"
+        if background:
+            finisher = finish_later(self.adapter, self.probe, probe_dir, self.adopt_probe)
+            if finisher is not None:
+                return finisher
+        result = finish_pending(self.adapter, self.probe)
+        record_probe(probe_dir, result)
+        self.adopt_probe(result)
+        return None
+
+    def _decide_speculation(self) -> None:
+        """`config.speculative` "ngram" turns speculative decoding on where the probe allows
+        it (`engines.probe_spec.speculation_check`); one `Speculation` (its measured step
+        costs) is kept across decisions."""
+        if self.config.speculative == "none":
+            self.speculation, self.speculation_reason = None, "off (speculative=none)"
+            return
+        from .engines.probe_spec import speculation_check
+
+        ok, why = speculation_check(self.adapter, self.probe)
+        if ok:
+            self.speculation = self.speculation or Speculation()
+            self.speculation_reason = f"ngram drafts verified in one batch ({why})"
+        else:
+            log.warning("speculative decoding is off: %s", why)
+            self.speculation, self.speculation_reason = None, f"off: {why}"
 
     @property
     def prefill_align(self) -> int:
@@ -198,7 +260,7 @@ class EdgeKV:
         return Request(tuple(tokens), root, tuple(self._keys(tokens, root)), sampling, text,
                        use_cache, o.get("store", True),
                        self.config.approximate if approximate is None else approximate,
-                       layout, o.get("passage_policy"))
+                       layout, o.get("passage_policy"), o.get("speculative"))
 
     def lookup(self, tokens: Sequence[int], text: str | None = None, *,
                approximate: bool | None = None, now: float | None = None,
@@ -243,6 +305,8 @@ class EdgeKV:
         else:
             req = self.prepare(prompt, **options)
         a = sequence or self.adapter
+        # decided before the engine holds the request (a probe row measured now clears it)
+        spec = self.speculation if req.speculative is not False else None
         claimed = _Claim()  # this generation's prompt chunks, while it computes them
         match: PrefixMatch | None = None
         try:
@@ -268,7 +332,8 @@ class EdgeKV:
                     self._unclaim(claimed)
 
             gen, t_first = self._sample(logits, req.sampling, on_token, a,
-                                        after_first=commit_prompt if sequence else None)
+                                        after_first=commit_prompt if sequence else None,
+                                        speculation=spec)
             t_gen = time.perf_counter()
             with self._steps:
                 match, stored, written = self._commit(req, match, filled, cached, a)
@@ -291,7 +356,8 @@ class EdgeKV:
             kv_bytes_written=written, prefill_traffic_bytes=traffic, first_logits=logits,
             match=match, step_logits=gen.logits, finish_reason=gen.finish_reason,
             streamed_tokens=filled.streamed, passages=filled.passages,
-            fill_report=filled.report, wait_s=waited)
+            fill_report=filled.report, wait_s=waited, drafted_tokens=gen.drafted,
+            accepted_tokens=gen.accepted)
 
     def warm_passages(self, passages: Sequence[str], scores: bool | None = None) -> int:
         """Cache passages ahead of the requests that cite them (RAG indexing time)."""
@@ -392,12 +458,13 @@ class EdgeKV:
         return self.fill.fill(FillRequest(a, req, c, cached, self._chunk_check(req)))
 
     def _sample(self, logits: np.ndarray, s: Sampling, on_token: TokenCallback | None,
-                a: KVAdapter, *, after_first: Callable[[], None] | None = None
-                ) -> tuple[Generation, float]:
+                a: KVAdapter, *, after_first: Callable[[], None] | None = None,
+                speculation: Speculation | None = None) -> tuple[Generation, float]:
         """Sample the answer; also the time of the first token. TTFT stops where a streaming
         client's clock stops: at the first sampled token, as text (what llama-cpp-python's
         and llama-server's first streamed chunk carries). `after_first` runs once the first
-        token has been handed on."""
+        token has been handed on. `speculation`: verify n-gram drafts in one batch (the same
+        tokens: `engines.spec`)."""
         first = list[float]()
 
         def timed(tok: int) -> bool:
@@ -410,9 +477,11 @@ class EdgeKV:
                 after_first()
             return go
 
+        extra: dict[str, Any] = {} if s.constraint is None else {"constraint": s.constraint}
+        if speculation is not None:
+            extra["speculation"] = speculation
         gen = a.generate(logits, s.max_tokens, temperature=s.temperature, seed=s.seed,
-                         keep_logits=s.keep_logits, top_p=s.top_p, on_token=timed,
-                         **({} if s.constraint is None else {"constraint": s.constraint}))
+                         keep_logits=s.keep_logits, top_p=s.top_p, on_token=timed, **extra)
         return gen, first[0] if first else time.perf_counter()  # EOS alone: its end
 
     # -- prompt chunks in flight (generations on several sequences at once) ---------------

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +16,7 @@ from .errors import ConfigError, EdgeKVError, ModelNotFound
 
 if TYPE_CHECKING:
     from .cache import EdgeKV
+    from .engines.base import KVAdapter
 
 __all__ = ["main"]
 
@@ -21,10 +24,11 @@ __all__ = ["main"]
 def _config(args: argparse.Namespace) -> CacheConfig:
     return CacheConfig.from_env(
         chunk_size=getattr(args, "chunk_size", None),
+        speculative=getattr(args, "speculative", None),
         cache_dir=Path(args.cache_dir) if getattr(args, "cache_dir", None) else None)
 
 
-def _open(args: argparse.Namespace) -> EdgeKV:
+def _open(args: argparse.Namespace, *, staged_probe: bool = False) -> EdgeKV:
     from . import open_llamacpp
     from .engines.models import resolve_model
 
@@ -40,14 +44,15 @@ def _open(args: argparse.Namespace) -> EdgeKV:
     kwargs = _flash_attn(args)
     try:
         return open_llamacpp(args.model, cfg, n_ctx=args.n_ctx, semantic=semantic,
-                             engine=args.engine, fill=fill, **kwargs)
+                             engine=args.engine, fill=fill, staged_probe=staged_probe, **kwargs)
     except (ImportError, ModelNotFound) as e:
         if not semantic:
             raise
         print(f"edgekv: semantic routing unavailable ({e}); exact prefix reuse only",
               file=sys.stderr)
         return open_llamacpp(args.model, cfg, n_ctx=args.n_ctx, semantic=False,
-                             engine=args.engine, fill=_kv_loader(args), **kwargs)
+                             engine=args.engine, fill=_kv_loader(args),
+                             staged_probe=staged_probe, **kwargs)
 
 
 def _kv_loader(args: argparse.Namespace) -> Any:
@@ -85,29 +90,58 @@ def _kv_loader(args: argparse.Namespace) -> Any:
                                 link=link)
 
 
+def _prompt_mode(args: argparse.Namespace) -> str:
+    """"chat" (the model's template, the default where the GGUF has one) or "raw"; refuses
+    the combinations that cannot hold, before anything loads."""
+    if args.raw and args.chat:
+        raise ConfigError("--raw and --chat contradict each other; give one")
+    if args.passage_reuse:
+        if args.chat:
+            raise ConfigError("--passage-reuse does not combine with --chat yet")
+        return "raw"
+    if args.system is not None and args.raw:
+        raise ConfigError("--system is a chat message: drop --raw, or put it in the prompt")
+    return "raw" if args.raw else "chat"
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    mode = _prompt_mode(args)
     passages = None
     if args.passage_reuse:
         from .passages import split_passages
 
         passages, prompt = split_passages(prompt)
-        if args.chat:
-            raise EdgeKVError("--passage-reuse does not combine with --chat yet")
-    kv = _open(args)
+    t0 = time.perf_counter()
+    kv = _open(args, staged_probe=_staged_probe())
+    load_s = time.perf_counter() - t0
     try:
+        template = kv.adapter.chat_template() if mode == "chat" else None
+        if mode == "chat" and not template:
+            if args.chat or args.system is not None:
+                raise ConfigError("this model has no chat template; drop --chat / --system")
+            mode = "raw"  # as llama-cli: a model without a template gets the text as it is
+        why_raw = ("raw text (--passage-reuse implies --raw)" if args.passage_reuse else
+                   "raw text (--raw)" if args.raw else "raw text (the model has no template)")
+        shown_mode = "chat template" if mode == "chat" else why_raw
         asked: str | list[int] = prompt
-        if args.chat:  # the messages' text stays text: chat.py
+        if mode == "chat":  # the messages' text stays text: chat.py
             from .chat import chat_tokens
 
             msgs = ([{"role": "system", "content": args.system}] if args.system else [])
             asked = chat_tokens(kv.adapter, msgs + [{"role": "user", "content": prompt}])
+        warmup_s = _warm_up(kv.adapter)
         r = kv.generate(asked, max_tokens=args.max_tokens, temperature=args.temperature,
                         seed=args.seed, use_cache=not args.no_cache, passages=passages,
                         salt=args.kv_tenant or "")  # a KV-server tenant's own chain
+        granularity, why = kv.granularity, kv.granularity_reason
+        pending = kv.probe_pending
+        spec_why = kv.speculation_reason
     finally:
         kv.close()
         kv.adapter.close()
+    if pending:
+        _finish_probe_detached(args)
     m = r.match
     route = {"tier": m.tier, "similarity": round(m.similarity, 4),
              "route_ms": round(m.route_s * 1000, 3), "exact_tokens": m.exact_tokens,
@@ -118,6 +152,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "text": r.text, "tokens": list(r.tokens), "prompt_tokens": r.prompt_tokens,
             "cached_tokens": r.cached_tokens, "computed_tokens": r.computed_tokens,
             "ttft_ms": round(r.ttft_s * 1000, 3), "total_ms": round(r.total_s * 1000, 3),
+            "load_s": round(load_s, 3), "warmup_s": round(warmup_s, 3),
+            "prompt_mode": mode, "granularity": granularity, "granularity_reason": why,
+            "speculative": spec_why,
             "stored_fragments": r.stored_fragments, "source_tiers": list(r.source_tiers),
             "rejections": list(r.rejections), "route": route,
             "passages": r.passages.as_dict() if r.passages else None,
@@ -132,14 +169,61 @@ def cmd_generate(args: argparse.Namespace) -> int:
             approx += (f", PASSAGE REUSE{' (approximate)' if p.approximate else ''} "
                        f"{p.policy}: {p.reused_tokens} of {p.passage_tokens} passage tokens "
                        f"placed from the cache, {p.recomputed_tokens} recomputed")
-        print(f"\n[route {m.tier} (similarity {m.similarity:.3f}, {m.route_s * 1000:.1f} ms) | "
+        drafts = (f" ({r.accepted_tokens} of {r.drafted_tokens} drafts accepted)"
+                  if r.drafted_tokens else "")
+        if spec_why.startswith("off:"):  # asked for, and the probe does not allow it
+            drafts += f" (speculative decoding {spec_why})"
+        print(f"\n[{shown_mode} | route {m.tier} (similarity {m.similarity:.3f}, "
+              f"{m.route_s * 1000:.1f} ms) | "
               f"TTFT {r.ttft_s * 1000:.1f} ms | prompt {r.prompt_tokens} tokens: "
               f"{r.cached_tokens} reused{tier} ({m.exact_tokens} exact chain, "
               f"{route['verified_extra_tokens']} verified by tokens{approx}), "
               f"{r.computed_tokens} computed | "
-              f"{len(r.tokens)} generated in {r.total_s * 1000:.0f} ms | "
-              f"{r.stored_fragments} fragments stored]", file=sys.stderr)
+              f"{len(r.tokens)} generated in {r.total_s * 1000:.0f} ms{drafts} | "
+              f"{r.stored_fragments} fragments stored | load {load_s:.1f} s, warm-up "
+              f"{warmup_s * 1000:.0f} ms | reuse granularity {granularity}: {why}"
+              f"{'; the rest of the probe runs in the background' if pending else ''}]",
+              file=sys.stderr)
     return 0
+
+
+def _staged_probe() -> bool:
+    """`EDGEKV_FIRST_PROBE`: "short" (default): a first start probes briefly and finishes the
+    probe in the background; "full": the whole probe before the first answer."""
+    how = os.environ.get("EDGEKV_FIRST_PROBE", "short")
+    if how not in ("short", "full"):
+        raise ConfigError(f"EDGEKV_FIRST_PROBE={how!r}: give short or full")
+    return how == "short"
+
+
+def _warm_up(adapter: KVAdapter) -> float:
+    """One token through the model and back out (as llama-cli's warm-up does): the first
+    forward pass pages the weights in, which is load time, not the prompt's TTFT."""
+    t0 = time.perf_counter()
+    adapter.prefill(adapter.tokenize("", add_bos=True)[:1] or [adapter.eos_token],
+                    align=adapter.n_ctx)
+    adapter.clear_kv_cache()
+    return time.perf_counter() - t0
+
+
+def _finish_probe_detached(args: argparse.Namespace) -> None:
+    """The probe stages a staged start left pending, in a process of their own that outlives
+    this one (`edgekv probe --finish`, at low priority): recorded for the next start."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "edgekv", "probe", "--finish", "--engine", args.engine,
+           "--n-ctx", str(args.n_ctx), "--cache-dir", str(_config(args).cache_dir)]
+    if args.model:
+        cmd += ["--model", args.model]
+    if args.flash_attn is not None:
+        cmd.append("--flash-attn" if args.flash_attn else "--no-flash-attn")
+    try:
+        subprocess.Popen(["nice", "-n", "10", *cmd], stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         start_new_session=True)
+    except OSError as e:
+        print(f"edgekv: could not start the probe's background stages ({e}); run "
+              "`edgekv probe --finish`", file=sys.stderr)
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
@@ -299,13 +383,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cfg = dataclasses.replace(cfg, passage_reuse=True)
 
     def announce(url: str) -> None:
-        print(f"edgekv serve: listening on {url} (OpenAI API under {url}/v1; model "
+        page = "" if args.no_ui else f"the page at {url}/, "
+        print(f"edgekv serve: listening on {url} ({page}OpenAI API under {url}/v1; model "
               f"{model.stem} loading, GET /health answers 200 when ready)", flush=True)
 
+    # a first start serves after the probe's short stage, whole chunks until the rest passes
+    # in the background; --parallel N needs the whole answer (its multi-sequence schedule
+    # decides the slots) before it opens them
+    staged = _staged_probe() and args.parallel == 1
     return run(lambda: load_edgekv(model, cfg, n_ctx=args.n_ctx, engine=args.engine,
                                    store_url=args.store, n_threads=args.threads,
                                    flash_attn=args.flash_attn, semantic=args.semantic,
-                                   prefetch=args.prefetch, fill=fill),
+                                   prefetch=args.prefetch, fill=fill, staged_probe=staged),
                model_id=model.stem, options=opts, host=args.host, port=args.port,
                announce=announce, log_level="info" if args.verbose else "warning")
 
@@ -316,10 +405,13 @@ def _flash_attn(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
-    """Run the batch-invariance probe now (not the recorded answer) and time a cold prefill."""
+    """Run the batch-invariance probe now (not the recorded answer) and time a cold prefill;
+    `--finish`: finish (or run whole) the recorded answer of this cache dir and record it."""
     from .engines import open_adapter
     from .engines.probe import measure_prefill, probe_batch_invariance
 
+    if args.finish:
+        return _probe_finish(args)
     adapter = open_adapter(args.engine, args.model, n_ctx=args.n_ctx, n_threads=args.threads,
                            memo_dir=_config(args).cache_dir, **_flash_attn(args))
     flash_attn = bool(getattr(adapter, "flash_attn", False))
@@ -339,10 +431,49 @@ def cmd_probe(args: argparse.Namespace) -> int:
     for name, diff, same_kv in res.results:
         kv = "identical" if same_kv else "DIFFERS"
         print(f"  {name:42s} max |logit diff| = {diff:<9.3g} KV {kv}")
+    for name, diff, same_kv in res.notes:  # measured beside, deciding other things
+        kv = "identical" if same_kv else "DIFFERS"
+        print(f"  (noted) {name:34s} max |logit diff| = {diff:<9.3g} KV {kv}")
     ok = sum(d == 0.0 and s for _, d, s in res.results)
     print(f"{ok}/{len(res.results)} schedules bit-identical -> reuse granularity: "
           f"{res.granularity}; probe {res.seconds:.1f} s; cold prefill of "
           f"{args.prefill_tokens} tokens: {speed:.0f} tok/s")
+    return 0
+
+
+def _probe_finish(args: argparse.Namespace) -> int:
+    """`edgekv probe --finish`: what `edgekv generate` starts after a staged first answer.
+    One at a time per cache dir (a lock file beside the records; a dead holder's is taken)."""
+    from .engines import open_adapter
+    from .engines.probe import load_or_probe
+
+    probe_dir = _config(args).cache_dir / "probes"
+    probe_dir.mkdir(parents=True, exist_ok=True)
+    lock = probe_dir / "finishing.lock"
+    try:
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        try:
+            holder = int(lock.read_text(encoding="utf-8") or 0)
+            os.kill(holder, 0)
+            print(f"edgekv probe --finish: another (pid {holder}) is running", file=sys.stderr)
+            return 0
+        except (ValueError, ProcessLookupError, PermissionError, OSError):
+            lock.unlink(missing_ok=True)  # its holder is gone
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    try:
+        os.write(fd, str(os.getpid()).encode())
+        os.close(fd)
+        adapter = open_adapter(args.engine, args.model, n_ctx=args.n_ctx,
+                               n_threads=args.threads, memo_dir=_config(args).cache_dir,
+                               **_flash_attn(args))
+        try:
+            res = load_or_probe(adapter, probe_dir)
+        finally:
+            adapter.close()
+    finally:
+        lock.unlink(missing_ok=True)
+    print(f"engine: {res.describe}\nreuse granularity {res.granularity}: {res.reason}")
     return 0
 
 
@@ -374,6 +505,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "at any token only where the batch-invariance probe passes; "
                         "elsewhere whole chunks")
 
+    def speculative_opt(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--speculative", choices=["none", "ngram"], default=None,
+                        help="ngram: draft tokens from n-grams of the prompt and the answer "
+                        "and verify them in one batch; the output stays bit-identical to plain "
+                        "decoding, and it runs only where the batch-invariance probe's draft "
+                        "schedule passes (default: none, or $EDGEKV_SPECULATIVE)")
+
     def kv_server_opts(sp: argparse.ArgumentParser) -> None:
         k = sp.add_argument_group("SparKV: load KV from an `edgekv kv-server`")
         k.add_argument("--kv-server", metavar="URL",
@@ -397,8 +535,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-cache", action="store_true", help="cold run: no lookup, no store")
-    g.add_argument("--chat", action="store_true", help="wrap in the model's chat template")
-    g.add_argument("--system", help="system message for --chat")
+    g.add_argument("--chat", action="store_true",
+                   help="wrap the prompt in the model's chat template (the default where the "
+                   "GGUF has one)")
+    g.add_argument("--raw", action="store_true",
+                   help="send the prompt as it is, without the chat template (implied by "
+                   "--passage-reuse)")
+    g.add_argument("--system", help="system message (chat template)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--no-semantic", action="store_true", help="exact chain lookup only")
     g.add_argument("--engine", choices=["llamacpp", "torch", "onnx"], default="llamacpp",
@@ -410,6 +553,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "passages are reused wherever they sit (approximate, changes output)")
     engine_opts(g)
     flash_attn_opt(g)
+    speculative_opt(g)
     kv_server_opts(g)
     g.set_defaults(func=cmd_generate)
 
@@ -442,6 +586,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--prefill-tokens", type=int, default=512, help="cold prefill to time")
     pr.add_argument("--runs", type=int, default=3, help="cold prefill repeats (median)")
     pr.add_argument("--json", help="write the result here")
+    pr.add_argument("--finish", action="store_true",
+                    help="finish the probe a first start began (or run it whole) and record "
+                    "the answer in the cache dir, as `generate` does in the background")
     engine_opts(pr)
     pr.set_defaults(func=cmd_probe)
 
@@ -490,6 +637,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "labelled; needs --semantic). Refused per request without this switch")
     engine_opts(sv)
     flash_attn_opt(sv)
+    speculative_opt(sv)
     kv_server_opts(sv)
     sv.set_defaults(func=cmd_serve)
 

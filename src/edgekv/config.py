@@ -98,6 +98,12 @@ class CacheConfig:
     # KV server: a session's AES-GCM key is forgotten this long after it was opened; the
     # client then opens a new one (one extra round trip an hour).
     kv_session_ttl_s: float = 3600.0
+    # Speculative decoding (engines/spec.py): "ngram" drafts tokens from n-grams of the
+    # request's own prompt and answer and verifies them in one batch, the output bit-identical
+    # to plain decoding; only where the batch-invariance probe's draft schedule passes (else
+    # decoding stays plain, and says why). "none": one token a step. Default "none": see
+    # `edgekv bench spec` (docs/bench/spec.md) for where it wins and where it loses.
+    speculative: str = "none"
     cache_dir: Path = field(default_factory=default_cache_dir)
 
     def __post_init__(self) -> None:
@@ -131,6 +137,9 @@ class CacheConfig:
             raise ConfigError(f"eviction={self.eviction!r}: use 'leaf' (the prefix index evicts "
                               "leaf chunks first, LRU-2), 'leaf-lru' (leaf chunks, least "
                               "recently used first) or 'lru' (each tier its own LRU)")
+        if self.speculative not in ("none", "ngram"):
+            raise ConfigError(f"speculative={self.speculative!r}: use 'none' (one token a "
+                              "step) or 'ngram' (n-gram drafts verified in one batch)")
         if self.semantic_k < 1:
             raise ConfigError(f"semantic_k={self.semantic_k} must be >= 1")
         for name in ("index_save_every", "stream_timeout_s", "stream_wait_timeouts",

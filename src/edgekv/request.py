@@ -90,6 +90,7 @@ class RequestOptions(TypedDict, total=False):
     namespace: str
     passages: Sequence[str] | None
     passage_policy: PassagePolicy | None
+    speculative: bool | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +111,10 @@ class Request:
     approximate: bool = False
     layout: PassageLayout | None = None
     passage_policy: PassagePolicy | None = None
+    # verify n-gram drafts in one batch (`engines.spec`: the same tokens): None follows the
+    # cache's setting (`CacheConfig.speculative`, where the probe allows it), False never,
+    # True where the cache has speculation on
+    speculative: bool | None = None
 
 
 class PrefetchHook(Protocol):
@@ -218,6 +223,10 @@ class GenerationResult:
     # time spent waiting for another sequence to store the prompt's next chunk (`--parallel`);
     # part of ttft_s, not of lookup_s
     wait_s: float = 0.0
+    # speculative decoding (`engines.spec`): drafted tokens verified, and how many the answer
+    # took (each one a decode step saved); 0 and 0 where decoding was plain
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
     @property
     def tier(self) -> str | None:
@@ -231,7 +240,8 @@ class GenerationResult:
         return {"cached_tokens": self.cached_tokens, "streamed_tokens": self.streamed_tokens,
                 "computed_tokens": self.computed_tokens, "tier": self.tier,
                 "approximate": self.approximate,
-                "passages": None if self.passages is None else self.passages.as_dict()}
+                "passages": None if self.passages is None else self.passages.as_dict(),
+                "drafted_tokens": self.drafted_tokens, "accepted_tokens": self.accepted_tokens}
 
     @property
     def approximate(self) -> bool:

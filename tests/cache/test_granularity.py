@@ -164,3 +164,77 @@ def test_cache_stats_reports_the_granularity(tmp_path, capsys):
     data = json.loads(capsys.readouterr().out)
     [p] = data["probes"]
     assert p["granularity"] == "token" and p["invariant"] is True
+
+
+# -- a staged first start: the short stage, whole chunks, the rest in the background ----------
+
+def test_the_short_stage_leaves_the_long_ones_pending_and_reuse_whole_chunks():
+    first = probe_batch_invariance(FakeAdapter(), stage="short")
+    assert first.pending == probe_mod.LATER_STAGES and not first.failed
+    assert not first.invariant and first.granularity == "chunk"
+    assert "not run yet" in first.reason and first.long_tokens == 0
+    assert len(first.results) == len(probe_mod.schedules(first.tokens))
+    whole = probe_mod.finish_probe(FakeAdapter(), first)
+    assert whole.invariant and not whole.pending and whole.long_tokens > 0
+    assert whole.results[: len(first.results)] == first.results
+    assert whole.results == probe_batch_invariance(FakeAdapter()).results
+    bad = probe_batch_invariance(FakeAdapter(batch_variant=True), stage="short")
+    assert bad.failed and not bad.pending  # a failure is final: nothing left to run
+    assert bad.reason.startswith("batch-invariance probe failed")
+
+
+def test_a_staged_record_is_kept_and_finished_by_the_next_whole_probe(tmp_path, monkeypatch):
+    a = FakeAdapter()
+    first = load_or_probe(a, tmp_path, staged=True)
+    assert first.pending
+    monkeypatch.setattr(probe_mod, "_memo", {})  # a new process: the short answer is read back
+    assert load_or_probe(a, tmp_path, staged=True) == first
+    whole = load_or_probe(a, tmp_path)  # not staged: finishes what is pending, records it
+    assert whole.invariant and not whole.pending
+    monkeypatch.setattr(probe_mod, "_memo", {})
+    assert load_or_probe(a, tmp_path, staged=True) == whole  # a whole answer is final
+
+
+def test_a_staged_cache_starts_with_chunks_and_adopts_the_finished_probe(tmp_path):
+    config = CacheConfig(chunk_size=64, cache_dir=tmp_path)
+    kv = EdgeKV(FakeAdapter(), open_store(config), config, staged_probe=True)
+    assert kv.granularity == "chunk" and kv.probe_pending == probe_mod.LATER_STAGES
+    prompt = CONTEXT + "Question: which devices?"
+    kv.generate(prompt, max_tokens=4)
+    chunked = kv.generate(prompt + " And which hub?", max_tokens=4)
+    assert chunked.cached_tokens % 64 == 0  # whole chunks only, so far
+    finisher = kv.finish_probe()
+    assert finisher is not None  # the fake opens a twin: it ran on a thread
+    finisher.thread.join(60)
+    assert finisher.result is not None and kv.granularity == "token" and not kv.probe_pending
+    assert kv.granularity_reason == "batch-invariance probe passed"
+    [rec] = recorded_probes(tmp_path / "probes")
+    assert rec.invariant and not rec.pending  # the next start reads the whole answer
+    kv.generate(prompt + " And which hub? Name it.", max_tokens=6)  # its tail is stored now
+    longer = prompt + " And which hub? Name it. Now."
+    warm = kv.generate(longer, max_tokens=6)
+    assert warm.cached_tokens > chunked.cached_tokens and warm.cached_tokens % 64 != 0
+    logits, tokens = plain_cold(longer, 6)
+    assert list(warm.tokens) == list(tokens)  # token-granular reuse equals a plain cold run
+
+
+def test_adopt_probe_takes_only_this_engines_finished_answer(tmp_path):
+    config = CacheConfig(chunk_size=64, cache_dir=tmp_path)
+    kv = EdgeKV(FakeAdapter(), open_store(config), config, staged_probe=True)
+    with pytest.raises(ValueError, match="finished probe"):
+        kv.adopt_probe(kv.probe)  # still pending
+    with pytest.raises(ValueError, match="finished probe"):
+        kv.adopt_probe(probe_batch_invariance(FakeAdapter(tag="another model")))
+    assert kv.granularity == "chunk"
+    assert kv.finish_probe(background=False) is None  # in line: done when it returns
+    assert kv.granularity == "token"
+
+
+def test_a_stopped_finisher_ends_between_schedules():
+    import threading
+
+    first = probe_batch_invariance(FakeAdapter(), stage="short")
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(probe_mod.ProbeStopped):
+        probe_mod.finish_probe(FakeAdapter(), first, stop=stop)

@@ -26,7 +26,7 @@ from .servekit import ChatFake, live_server, metric, sse_chunks  # noqa: E402
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 EDGEKV_KEYS = {"cached_tokens", "streamed_tokens", "computed_tokens", "tier", "approximate",
-               "passages"}
+               "passages", "drafted_tokens", "accepted_tokens"}
 SYSTEM = "You are the hub's assistant. The manual says: " + "Lights pair in ten seconds. " * 12
 DOC_A = "The hub's ring turns orange while it updates its firmware; wait for it. " * 2
 DOC_B = {"title": "Pairing", "text": "Hold the light's button for ten seconds to pair it. " * 2}
@@ -307,3 +307,55 @@ def test_token_ids_outside_the_adapters_vocabulary_are_refused(kv):
         assert str(n) in msg
         assert post(url, COMPLETIONS, {"model": "fake-model", "prompt": [1, 2, n - 1],
                                        "max_tokens": 1}).status_code == 200
+
+
+# -- speculative decoding ------------------------------------------------------------------
+
+class RepeatingChatFake(ChatFake):
+    """ChatFake with a taste for repeating its context (a bonus on the token `period` back),
+    so answers copy text and n-gram drafts get accepted, as on a RAG answer."""
+
+    def __init__(self, period: int, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.period = period
+
+    def _logits(self):  # type: ignore[no-untyped-def]
+        out = super()._logits()
+        if len(self._ids) >= self.period:
+            out[self._ids[-self.period]] += 12.0
+        return out
+
+
+def test_speculative_answers_equal_plain_ones_and_report_their_drafts(tmp_path):
+    unit = "Quote: the hub connects lights, thermostats and sensors. "
+    prompt = "Repeat this. " + unit * 4
+    answers, drafts, cards = [], [], []
+    for spec in ("none", "ngram"):
+        cfg = CacheConfig(chunk_size=64, cache_dir=tmp_path / spec, speculative=spec)
+        kv = EdgeKV(RepeatingChatFake(len(unit), n_ctx=1024), open_store(cfg), cfg)
+        try:
+            with live_server(kv) as url:
+                body = {"model": "fake-model", "prompt": prompt, "max_tokens": 48,
+                        "temperature": 0}
+                answers.append(post(url, COMPLETIONS, body).json())
+                streamed = _stream(url, COMPLETIONS, {**body, "seed": 3, "temperature": 0.8})
+                answers.append("".join(c["choices"][0]["text"] for c in streamed
+                                       if c.get("choices")))
+                drafts.append((metric(url, "edgekv_spec_drafted_tokens_total"),
+                               metric(url, "edgekv_spec_accepted_tokens_total"),
+                               metric(url, "edgekv_spec_acceptance_rate"),
+                               streamed[-1]["edgekv"]))
+                cards.append(httpx.get(f"{url}/health").json()["engine"]["speculative"])
+        finally:
+            kv.close()
+    plain, plain_seeded, spec, spec_seeded = answers
+    assert spec["choices"][0]["text"] == plain["choices"][0]["text"]
+    assert spec_seeded == plain_seeded  # the same random stream, one draw per token
+    assert plain["edgekv"]["drafted_tokens"] == 0 and drafts[0][:3] == (0, 0, 0)
+    e = spec["edgekv"]
+    assert set(e) == EDGEKV_KEYS and e["accepted_tokens"] > 0
+    drafted, accepted, rate, last = drafts[1]
+    assert drafted == e["drafted_tokens"] + last["drafted_tokens"]
+    assert accepted == e["accepted_tokens"] + last["accepted_tokens"]
+    assert rate == pytest.approx(accepted / drafted)
+    assert cards[0] == "off (speculative=none)" and cards[1].startswith("ngram drafts")

@@ -20,6 +20,9 @@ Capabilities beyond the protocol are explicit protocols too, each checked once, 
   `UnsupportedLayout` with the model's reason (llama.cpp).
 - `WindowedKV`: the adapter knows each layer's attention span (`window`, a `WindowLayout`); a
   hit then reads only the last window of sliding-window layers (llama.cpp).
+- `DraftVerifier`: the adapter evaluates several tokens with every position's logits and drops
+  cells from the end, so drafts can be verified in one batch (`spec`; llama.cpp, its slots and
+  the fake engine).
 - `ModelFile`: the adapter runs a model file (`model_path`), whose stem names the served model
   (llama.cpp, torch, onnx; not the fake engine).
 
@@ -46,9 +49,10 @@ from .window import WindowLayout
 
 if TYPE_CHECKING:
     from .constraint import Constraint
+    from .spec import Speculation
 
-__all__ = ["EngineCounters", "FragmentSpec", "Generation", "KVAdapter", "KVRun", "ModelFile",
-           "PassageEngine", "ShiftableKV", "TokenCallback", "WindowedKV"]
+__all__ = ["DraftVerifier", "EngineCounters", "FragmentSpec", "Generation", "KVAdapter", "KVRun",
+           "ModelFile", "PassageEngine", "ShiftableKV", "TokenCallback", "Twinned", "WindowedKV"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +79,10 @@ class Generation:
     logits: tuple[np.ndarray, ...]  # logits that chose each token (kept only when asked)
     stopped_by_eos: bool
     stopped_by_callback: bool = False
+    # speculative decoding (`spec.speculative_loop`): drafted tokens verified, and how many of
+    # them the answer took; 0 and 0 for plain decoding
+    drafted: int = 0
+    accepted: int = 0
 
     @property
     def finish_reason(self) -> str:
@@ -188,9 +196,12 @@ class KVAdapter(Protocol):
     def generate(self, logits: np.ndarray, max_tokens: int, *, temperature: float = 0.0,
                  seed: int = 0, keep_logits: bool = False, top_p: float = 1.0,
                  on_token: TokenCallback | None = None,
-                 constraint: Constraint | None = None) -> Generation:
+                 constraint: Constraint | None = None,
+                 speculation: Speculation | None = None) -> Generation:
         """Sample up to `max_tokens` from `logits` on (`shared.sample_loop`); `constraint`
-        masks each step's logits (a grammar, `engines.constraint`), never the KV."""
+        masks each step's logits (a grammar, `engines.constraint`), never the KV;
+        `speculation`: verify n-gram drafts in one batch where the adapter is a
+        `DraftVerifier` (`spec.speculative_loop`: the same tokens, fewer steps)."""
         ...
 
     def close(self) -> None: ...
@@ -244,11 +255,35 @@ class ShiftableKV(Protocol):
 
 
 @runtime_checkable
+class DraftVerifier(Protocol):
+    """The adapter can evaluate several tokens in one batch with the logits of every position,
+    and drop cells from the end: what exact speculative decoding needs (`spec`)."""
+
+    def verify(self, tokens: Sequence[int]) -> list[np.ndarray]:
+        """Evaluate `tokens` after the context in one batch; the logits at each of them."""
+        ...
+
+    def truncate(self, n: int) -> None:
+        """Keep the first `n` tokens' cells, drop the rest (rejected drafts leave no trace)."""
+        ...
+
+
+@runtime_checkable
 class WindowedKV(Protocol):
     """The adapter knows which layers attend through a sliding window, and how far."""
 
     # each layer's attention span (no sliding-window layers: every layer global)
     window: WindowLayout
+
+
+@runtime_checkable
+class Twinned(Protocol):
+    """The adapter can open a second context of its model with its own settings, for work
+    beside the one it serves (the probe's later stages, `engines.probe.finish_later`)."""
+
+    def twin(self) -> KVAdapter:
+        """A new adapter over the same model, build and settings; the caller closes it."""
+        ...
 
 
 @runtime_checkable

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -35,6 +36,9 @@ class FakeAdapter(SequenceAdapter):
                  batch_variant: bool = False) -> None:
         """`batch_variant=True` makes the KV of a token depend slightly on where its batch
         started, the way some real kernels do: the batch-invariance probe must catch it."""
+        self._settings: dict[str, Any] = dict(
+            n_layer=n_layer, n_head_kv=n_head_kv, head_dim=head_dim, vocab=vocab, n_ctx=n_ctx,
+            tag=tag, batch_variant=batch_variant)
         self.fingerprint = ModelFingerprint(
             file_sha256=hashlib.sha256(tag.encode()).hexdigest(), architecture="fake",
             n_layer=n_layer, n_head_kv=n_head_kv, head_dim_k=head_dim, head_dim_v=head_dim,
@@ -51,6 +55,10 @@ class FakeAdapter(SequenceAdapter):
         self.counters = EngineCounters()
         self.weight_bytes = int(self._w.nbytes)
         self.n_threads = 1  # numpy's own; the fake engine has no thread setting
+
+    def twin(self) -> FakeAdapter:
+        """`Twinned`: another fake engine with the same weights and settings."""
+        return FakeAdapter(**self._settings)
 
     @property
     def eos_token(self) -> int:
@@ -81,23 +89,44 @@ class FakeAdapter(SequenceAdapter):
 
     def prefill(self, tokens: Sequence[int], *, align: int) -> np.ndarray:
         check_prefill(self.n_tokens, len(tokens), self._n_ctx)
-        fp = self.fingerprint
         base = self.n_tokens
         for lo, hi in aligned_batches(base, len(tokens), align):
             for t in tokens[lo - base : hi - base]:
-                parent = self._hash[-1] if self._hash else b"root"
-                h = hashlib.sha256(parent + int(t).to_bytes(4, "little")).digest()
-                rng = np.random.default_rng(int.from_bytes(h[:8], "little"))
-                self._ids.append(int(t))
-                self._hash.append(h)
-                k = rng.standard_normal((fp.n_layer, fp.n_embd_k))
-                if self.batch_variant:  # numbers that depend on the batch's start and size
-                    k = k + 1e-2 * ((lo % 7) + ((hi - lo) % 5))
-                self._k.append(k.astype(np.float16))
-                self._v.append(rng.standard_normal((fp.n_layer, fp.n_embd_v)).astype(np.float16))
+                self._compute(t, lo, hi)
             self.counters.add_batch(lo, hi)
         self.computed_tokens += len(tokens)
         return self._logits()
+
+    def verify(self, tokens: Sequence[int]) -> list[np.ndarray]:
+        """`base.DraftVerifier`: `tokens` as one batch, the logits after each (a batch-variant
+        fake computes them with the batch's shape, so verified drafts differ from decode)."""
+        check_prefill(self.n_tokens, len(tokens), self._n_ctx)
+        lo = self.n_tokens
+        out = []
+        for t in tokens:
+            self._compute(t, lo, lo + len(tokens))
+            out.append(self._logits())
+        self.counters.add_batch(lo, lo + len(tokens))
+        self.computed_tokens += len(tokens)
+        return out
+
+    def truncate(self, n: int) -> None:
+        """`base.DraftVerifier`: keep the first `n` positions."""
+        del self._ids[n:], self._hash[n:], self._k[n:], self._v[n:]
+
+    def _compute(self, t: int, lo: int, hi: int) -> None:
+        """The KV of token `t` after what is held, in a batch [lo, hi)."""
+        fp = self.fingerprint
+        parent = self._hash[-1] if self._hash else b"root"
+        h = hashlib.sha256(parent + int(t).to_bytes(4, "little")).digest()
+        rng = np.random.default_rng(int.from_bytes(h[:8], "little"))
+        self._ids.append(int(t))
+        self._hash.append(h)
+        k = rng.standard_normal((fp.n_layer, fp.n_embd_k))
+        if self.batch_variant:  # numbers that depend on the batch's start and size
+            k = k + 1e-2 * ((lo % 7) + ((hi - lo) % 5))
+        self._k.append(k.astype(np.float16))
+        self._v.append(rng.standard_normal((fp.n_layer, fp.n_embd_v)).astype(np.float16))
 
     def _logits(self) -> np.ndarray:
         k, v = np.stack(self._k).astype(np.float32), np.stack(self._v).astype(np.float32)

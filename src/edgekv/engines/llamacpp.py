@@ -18,7 +18,8 @@ The adapter's public llama.cpp surface, which the rest of EdgeKV (passage placem
 injection, append and passage placement all write through it), `rope_info` (how the model
 rotates K), `decode` (a raw batch at chosen positions and sequence ids), `shift_cells`
 (llama.cpp's own K-shift), `sequence_context` (a second context of the same model for several
-sequences) and `library_dir` (the native build loaded).
+sequences), `library_dir` (the native build loaded), and `verify` / `truncate` (drafted tokens
+in one batch with every position's logits, and their cells removed again: `spec`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from .base import (
     ModelFile,
     ShiftableKV,
     TokenCallback,
+    Twinned,
     WindowedKV,
 )
 from .constraint import Constraint, Grammar
@@ -57,6 +59,7 @@ from .shared import (
     injection_length,
     sample_loop,
 )
+from .spec import Speculation
 from .window import window_layout
 
 __all__ = ["BatchItem", "LlamaCppAdapter", "SequenceContext"]
@@ -137,10 +140,12 @@ class SequenceContext:
             raise EngineError(f"llama.cpp refused the assembled state of sequence {seq} "
                               f"({read} of {len(blob)} bytes read); it is cleared")
 
-    def remove(self, seq: int) -> None:
-        """Drop every cell of sequence `seq` (`llama_memory_seq_rm`)."""
+    def remove(self, seq: int, start: int = 0) -> None:
+        """Drop the cells of sequence `seq` from position `start` on, by default every one
+        (`llama_memory_seq_rm`)."""
         lib = self._lib
-        lib.llama_memory_seq_rm(lib.llama_get_memory(self._open()), seq, -1, -1)
+        lib.llama_memory_seq_rm(lib.llama_get_memory(self._open()), seq,
+                                start if start > 0 else -1, -1)
 
     def close(self) -> None:
         ctx, self._ctx = self._ctx, None
@@ -212,7 +217,7 @@ def _cpu_backend(lib_dir: Path) -> Path | None:
     return next((lib_dir / n for n in _CPU_BACKEND if (lib_dir / n).exists()), None)
 
 
-class LlamaCppAdapter(ShiftableKV, WindowedKV, ModelFile):
+class LlamaCppAdapter(ShiftableKV, WindowedKV, ModelFile, Twinned):
     """One llama.cpp context over one model, holding one sequence (seq 0)."""
 
     def __init__(self, model_path: str | Path | None = None, *, n_ctx: int = 2048,
@@ -226,6 +231,7 @@ class LlamaCppAdapter(ShiftableKV, WindowedKV, ModelFile):
         than a batch's), unless `flash_attn` says otherwise."""
         self._lib = lib = _import_llama()
         self.model_path = resolve_model(model_path, memo_dir)
+        self._opened = (n_ctx, n_threads, memo_dir, dict(llama_kwargs))  # for `twin`
         self.n_threads = n_threads or os.cpu_count() or 1
         self.batch_invariant = batch_invariant_kernels(self.library_path())
         if llama_kwargs.get("flash_attn") is None:
@@ -372,13 +378,35 @@ class LlamaCppAdapter(ShiftableKV, WindowedKV, ModelFile):
                                         shape=(self.n_vocab,))
         return np.array(logits, dtype=np.float32, copy=True)
 
+    def verify(self, tokens: Sequence[int]) -> list[np.ndarray]:
+        """`base.DraftVerifier`: `tokens` after the context in one batch (`decode`), the
+        logits of every position; the token bookkeeping follows, as after `prefill`."""
+        check_prefill(self.n_tokens, len(tokens), self.n_ctx)
+        base = self.n_tokens
+        out = _decode(self._lib, self._ctx, [(t, base + i, 0, True)
+                                             for i, t in enumerate(tokens)], self.n_vocab)
+        self._llm.input_ids[base : base + len(tokens)] = list(tokens)
+        self._llm.n_tokens = base + len(tokens)
+        self.counters.add_batch(base, base + len(tokens))
+        return out
+
+    def truncate(self, n: int) -> None:
+        """`base.DraftVerifier`: remove the cells of positions n.. (`llama_memory_seq_rm`)."""
+        if not 0 <= n <= self.n_tokens:
+            raise EngineError(f"cannot keep {n} of {self.n_tokens} tokens")
+        lib = self._lib
+        if not lib.llama_memory_seq_rm(lib.llama_get_memory(self._ctx), 0, n, -1):
+            raise EngineError(f"llama.cpp could not remove the cells from position {n}")
+        self._llm.n_tokens = n
+
     def generate(self, logits: np.ndarray, max_tokens: int, *, temperature: float = 0.0,
                  seed: int = 0, keep_logits: bool = False, top_p: float = 1.0,
                  on_token: TokenCallback | None = None,
-                 constraint: Constraint | None = None) -> Generation:
+                 constraint: Constraint | None = None,
+                 speculation: Speculation | None = None) -> Generation:
         return sample_loop(self, logits, max_tokens, temperature=temperature, seed=seed,
                            keep_logits=keep_logits, top_p=top_p, on_token=on_token,
-                           constraint=constraint)
+                           constraint=constraint, speculation=speculation)
 
     def grammar_constraint(self, grammar: Grammar) -> Constraint:
         """`constraint.GrammarEngine`: llama.cpp's grammar sampler over this vocabulary."""
@@ -567,6 +595,13 @@ class LlamaCppAdapter(ShiftableKV, WindowedKV, ModelFile):
             llm.close()
 
     # -- the public llama.cpp surface beyond KVAdapter (module doc) ------------------------
+
+    def twin(self) -> LlamaCppAdapter:
+        """`Twinned`: another context of this model (its weights mapped once), opened with
+        the same settings, so what runs there computes what this one would."""
+        n_ctx, n_threads, memo_dir, kwargs = self._opened
+        return LlamaCppAdapter(self.model_path, n_ctx=n_ctx, n_threads=n_threads,
+                               memo_dir=memo_dir, **kwargs)
 
     def passage_engine(self) -> LlamaCppPassages:
         """`ShiftableKV`: passage reuse's engine side (`llamacpp_shift.LlamaCppPassages`): K

@@ -67,6 +67,7 @@ from .shared import (
 
 if TYPE_CHECKING:
     from .llamacpp import BatchItem, LlamaCppAdapter, SequenceContext
+    from .spec import Speculation
 
 __all__ = ["Slot", "SlotPool"]
 
@@ -82,7 +83,9 @@ class _Work:
     pos: int  # the position of tokens[0]
     order: int  # arrival: prompts are served first come, first served
     sent: int = 0  # tokens already decoded
+    every: bool = False  # the logits of every token (drafts to verify), not the last only
     logits: np.ndarray | None = None
+    all_logits: list[np.ndarray] = field(default_factory=list)  # with `every`
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -121,10 +124,18 @@ class SlotPool:
     def decode(self, seq: int, tokens: Sequence[int], pos: int) -> np.ndarray:
         """Decode `tokens` of sequence `seq` from position `pos`, batched with the other
         slots' tokens; the last token's logits."""
+        return self._hand_in(seq, tokens, pos, every=False).logits  # type: ignore[return-value]
+
+    def decode_all(self, seq: int, tokens: Sequence[int], pos: int) -> list[np.ndarray]:
+        """`decode`, with the logits of every token (a slot's drafts to verify, which ride in
+        the same batch as the other slots' tokens)."""
+        return self._hand_in(seq, tokens, pos, every=True).all_logits
+
+    def _hand_in(self, seq: int, tokens: Sequence[int], pos: int, *, every: bool) -> _Work:
         with self._cond:
             if self._closed:
                 raise EngineError("the slot pool is closed")
-            work = _Work(seq, list(tokens), pos, self._arrivals)
+            work = _Work(seq, list(tokens), pos, self._arrivals, every=every)
             self._arrivals += 1
             self._pending[seq] = work
             self._stepping.discard(seq)
@@ -133,7 +144,7 @@ class SlotPool:
         if work.error is not None:
             raise work.error
         assert work.logits is not None
-        return work.logits
+        return work
 
     def leave(self, seq: int) -> None:
         """Slot `seq` does something else before its next hand-in: do not wait for it."""
@@ -156,9 +167,10 @@ class SlotPool:
         with self._lock:
             self._ctx.write_state(seq, blob)
 
-    def remove(self, seq: int) -> None:
+    def remove(self, seq: int, start: int = 0) -> None:
+        """Drop sequence `seq`'s cells from position `start` on (all of them by default)."""
         with self._lock:
-            self._ctx.remove(seq)
+            self._ctx.remove(seq, start)
 
     @property
     def closed(self) -> bool:
@@ -203,7 +215,7 @@ class SlotPool:
                 break
             n = min(len(w.tokens) - w.sent, room)
             last = w.sent + n == len(w.tokens)
-            items += [(t, w.pos + w.sent + i, w.seq, last and i == n - 1)
+            items += [(t, w.pos + w.sent + i, w.seq, w.every or (last and i == n - 1))
                       for i, t in enumerate(w.tokens[w.sent : w.sent + n])]
             taken.append((w, n))
         return items, taken
@@ -229,8 +241,10 @@ class SlotPool:
             with self._cond:
                 for w, n in taken:
                     w.sent += n
+                    if w.every:
+                        w.all_logits += [next(out) for _ in range(n)]
                     if w.sent == len(w.tokens):
-                        w.logits = next(out)
+                        w.logits = w.all_logits[-1] if w.every else next(out)
                         self._pending.pop(w.seq, None)
                         self._stepping.add(w.seq)
                         w.done.set()
@@ -304,14 +318,32 @@ class Slot(SequenceAdapter):
         assert logits is not None
         return logits
 
+    def verify(self, tokens: Sequence[int]) -> list[np.ndarray]:
+        """`base.DraftVerifier`: the tokens in one hand-in (batched with the other slots'),
+        the logits of each."""
+        check_prefill(self.n_tokens, len(tokens), self.n_ctx)
+        base = self.n_tokens
+        out = self.pool.decode_all(self.seq, tokens, base)
+        self._ids += [int(t) for t in tokens]
+        self.counters.add_batch(base, base + len(tokens))
+        return out
+
+    def truncate(self, n: int) -> None:
+        """`base.DraftVerifier`: drop this sequence's cells from position n on."""
+        if not 0 <= n <= self.n_tokens:
+            raise EngineError(f"cannot keep {n} of {self.n_tokens} tokens")
+        self.pool.remove(self.seq, n)
+        del self._ids[n:]
+
     def generate(self, logits: np.ndarray, max_tokens: int, *, temperature: float = 0.0,
                  seed: int = 0, keep_logits: bool = False, top_p: float = 1.0,
                  on_token: TokenCallback | None = None,
-                 constraint: Constraint | None = None) -> Generation:
+                 constraint: Constraint | None = None,
+                 speculation: Speculation | None = None) -> Generation:
         try:
             return sample_loop(self, logits, max_tokens, temperature=temperature, seed=seed,
                                keep_logits=keep_logits, top_p=top_p, on_token=on_token,
-                               constraint=constraint)
+                               constraint=constraint, speculation=speculation)
         finally:
             self.pool.leave(self.seq)
 

@@ -25,12 +25,21 @@ bit for bit with a one-batch run:
   sequence alone. The same with one unified KV cache is measured and recorded (`notes`), but
   does not decide: EdgeKV runs one sequence per context, and a server that batches can choose
   per-sequence streams.
+- drafts verified in one batch (the last token and 7 drafts, logits at every position, 3 of
+  them rejected and their cells removed) against decode steps (`probe_spec`): recorded in
+  `notes` as well; it decides whether speculative decoding may run, not the granularity.
 
 Where every schedule matches, reuse may end at any token and prefill runs in one batch, like a
 plain user of the engine, whose output EdgeKV then equals bit for bit. Where any differs, the
 cache falls back to whole-chunk reuse with chunk-aligned prefill (exact against its own
 aligned schedule) and says so. The answer is recorded beside the cache, keyed by what it
-depends on, so the probe runs once (a few seconds).
+depends on, so the probe runs once.
+
+In two stages, where a first answer should not wait for it (`edgekv generate`, `edgekv serve`,
+`load_or_probe(staged=True)`): the short schedules (280 tokens, a few seconds) run first and
+are recorded with the rest `pending`; the cache starts with whole-chunk reuse, and the long
+and multi-sequence schedules (`finish_probe`, tens of seconds on 2 cores) run later, in the
+background; only when they pass too does reuse become token-granular.
 """
 
 from __future__ import annotations
@@ -40,19 +49,23 @@ import json
 import logging
 import os
 import platform
+import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from ..errors import EdgeKVError
-from .base import FragmentSpec, KVAdapter
+from .base import FragmentSpec, KVAdapter, Twinned
+from .probe_spec import DRAFTS, SPEC_SCHEDULE, draft_verify_diff
 
-__all__ = ["ProbeResult", "Schedule", "load_or_probe", "measure_prefill", "probe_batch_invariance",
-           "probe_key", "recorded_probes"]
+__all__ = ["ProbeFinisher", "ProbeResult", "ProbeStopped", "Schedule", "finish_later",
+           "finish_probe", "load_or_probe",
+           "measure_prefill",
+           "probe_batch_invariance", "probe_key", "record", "recorded_probes"]
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +82,8 @@ PROBE_TOKENS = 280  # crosses a 128-token chunk boundary twice and the 256-cell 
 # ubatches of 512 and a KV far past the 512 cells where a lone row's attention is split
 LONG_PROBE_TOKENS = 2040
 PROBE_VERSION = 2  # bump when the schedules change: older records are then re-measured
+# what a short probe (`stage="short"`) leaves for `finish_probe`
+LATER_STAGES = ("long schedules", "multi-sequence batch")
 # environment switches that change which kernels the engine runs (ggml CPU backend; the patch
 # series in patches/llama.cpp adds the first two): part of the probe's key
 KERNEL_ENV = ("GGML_CPU_BATCH_INVARIANT", "GGML_CPU_USE_REF", "GGML_CPU_TILED_MM",
@@ -123,10 +138,24 @@ class ProbeResult:
     sequences: int = 0  # sequences decoded in one batch; 0 where the engine has no such batch
     # measured, recorded, not deciding (name, max |logit diff|, identical): the unified-KV batch
     notes: tuple[tuple[str, float, bool], ...] = ()
+    # stages not run yet (a short probe: `LATER_STAGES`); never invariant while any is pending
+    pending: tuple[str, ...] = ()
 
     @property
     def granularity(self) -> str:
         return "token" if self.invariant else "chunk"
+
+    @property
+    def reason(self) -> str:
+        """Why this granularity, in a line (`/health`, `edgekv generate`)."""
+        if self.failed:
+            return "batch-invariance probe failed: " + ", ".join(self.failed)
+        if self.pending:
+            return (f"short batch-invariance probe passed ({len(self.results)} schedules); "
+                    f"{' and '.join(self.pending)} not run yet: whole chunks until they pass")
+        if self.sensitivity <= 0:
+            return "batch-invariance probe could not see a changed token"
+        return "batch-invariance probe passed"
 
     @property
     def failed(self) -> tuple[str, ...]:
@@ -149,7 +178,8 @@ class ProbeResult:
                    long_tokens=int(d.get("long_tokens", 0)),  # type: ignore[call-overload]
                    sequences=int(d.get("sequences", 0)),  # type: ignore[call-overload]
                    notes=tuple((str(a), float(b), bool(c))
-                               for a, b, c in d.get("notes", ())))  # type: ignore[attr-defined]
+                               for a, b, c in d.get("notes", ())),  # type: ignore[attr-defined]
+                   pending=tuple(str(x) for x in d.get("pending", ())))  # type: ignore[attr-defined]
 
 
 def _cpu_model() -> str:
@@ -231,12 +261,15 @@ def _run(adapter: KVAdapter, tokens: Sequence[int],
     return logits, np.asarray(frag.keys), np.asarray(frag.values)
 
 
-def _compare(adapter: KVAdapter, toks: Sequence[int],
-             plan: Sequence[Schedule]) -> list[tuple[str, float, bool]]:
-    """Each schedule of `plan` against `toks` in one batch: (name, max |logit diff|, same KV)."""
+def _compare(adapter: KVAdapter, toks: Sequence[int], plan: Sequence[Schedule],
+             check: Callable[[], None] = lambda: None) -> list[tuple[str, float, bool]]:
+    """Each schedule of `plan` against `toks` in one batch: (name, max |logit diff|, same KV);
+    `check` runs before each (it may raise to stop)."""
+    check()
     ref_logits, ref_k, ref_v = _run(adapter, toks, (len(toks),))
     out = []
     for s in plan:
+        check()
         logits, k, v = _run(adapter, toks, s.steps)
         same_kv = bool(np.array_equal(k, ref_k) and np.array_equal(v, ref_v))
         out.append((s.name, float(np.max(np.abs(logits - ref_logits))), same_kv))
@@ -244,19 +277,18 @@ def _compare(adapter: KVAdapter, toks: Sequence[int],
 
 
 def probe_batch_invariance(adapter: KVAdapter, n_tokens: int = PROBE_TOKENS,
-                           long_tokens: int = LONG_PROBE_TOKENS) -> ProbeResult:
+                           long_tokens: int = LONG_PROBE_TOKENS, *,
+                           stage: str = "full") -> ProbeResult:
     """Run every schedule against one batch; the engine's context is left empty. The long
-    schedules run where the context holds `long_tokens` (+ its 4 decode steps' slack)."""
-    from .probe_batch import multi_sequence_diff, multi_sequence_prompts
-
+    schedules run where the context holds `long_tokens` (+ its 4 decode steps' slack).
+    `stage="short"`: the short schedules only, the rest left `pending` for `finish_probe`."""
+    if stage not in ("full", "short"):
+        raise ValueError(f"stage={stage!r}: 'full' or 'short'")
     t0 = time.perf_counter()
     toks = probe_tokens(adapter, n_tokens)
     if len(toks) < 261:
         raise EdgeKVError(f"the probe needs at least 261 tokens, got {len(toks)}")
     n = len(toks)
-    n_long = long_tokens if 0 < long_tokens <= adapter.n_ctx - 8 else 0
-    sequences = 0
-    notes: list[tuple[str, float, bool]] = []
     try:
         ref_logits, ref_k, ref_v = _run(adapter, toks, (n,))
         # the probe can see a difference: one early token changed moves the logits (on a
@@ -272,26 +304,68 @@ def probe_batch_invariance(adapter: KVAdapter, n_tokens: int = PROBE_TOKENS,
             diff = float(np.max(np.abs(logits - ref_logits)))
             same_kv = bool(np.array_equal(k, ref_k) and np.array_equal(v, ref_v))
             results.append((s.name, diff, same_kv))
+        # drafts verified in one batch vs decode steps (speculative decoding, `probe_spec`):
+        # recorded beside the schedules, deciding speculation only, never the granularity
+        draft = draft_verify_diff(adapter, toks[: 256 + DRAFTS + 1])
+    finally:
+        adapter.clear_kv_cache()
+    key, readable = probe_key(adapter)
+    first = ProbeResult(False, key, readable, n, tuple(results), sensitivity,
+                        time.perf_counter() - t0, time.time(), pending=LATER_STAGES,
+                        notes=() if draft is None else (draft,))
+    if stage == "short":  # a failure is final: the later stages could not make it pass
+        return replace(first, pending=()) if first.failed else first
+    return finish_probe(adapter, first, long_tokens)
+
+
+class ProbeStopped(EdgeKVError):
+    """`finish_probe` was asked to stop (a server shutting down)."""
+
+
+def finish_probe(adapter: KVAdapter, first: ProbeResult, long_tokens: int = LONG_PROBE_TOKENS,
+                 *, stop: threading.Event | None = None) -> ProbeResult:
+    """The stages a short probe (`first`) left pending: the long prompt's schedules and the
+    multi-sequence batch; the whole answer. The engine's context is left empty. `stop`, once
+    set, raises `ProbeStopped` before the next schedule."""
+    from .probe_batch import multi_sequence_diff, multi_sequence_prompts
+
+    def check() -> None:
+        if stop is not None and stop.is_set():
+            raise ProbeStopped("the batch-invariance probe was stopped")
+
+    if not first.pending:
+        return first
+    t0 = time.perf_counter()
+    n_long = long_tokens if 0 < long_tokens <= adapter.n_ctx - 8 else 0
+    results = list(first.results)
+    sequences = 0
+    notes = list(first.notes)
+    try:
         if n_long:
             long_toks = probe_tokens(adapter, n_long)
             if len(long_toks) == n_long:
-                results += _compare(adapter, long_toks, long_schedules(n_long))
+                results += _compare(adapter, long_toks, long_schedules(n_long), check)
             else:
                 n_long = 0
+        check()
+        toks = probe_tokens(adapter, first.tokens)
+        if not any(name == SPEC_SCHEDULE for name, _, _ in notes):  # recorded before it was
+            draft = draft_verify_diff(adapter, toks[: 256 + DRAFTS + 1])
+            notes += [] if draft is None else [draft]
         multi = multi_sequence_diff(adapter, toks, unified=False)
         if multi is not None:
             results.append(multi)
             sequences = len(multi_sequence_prompts(toks))
+            check()
             unified = multi_sequence_diff(adapter, toks, unified=True)
             if unified is not None:
                 notes.append(unified)
     finally:
         adapter.clear_kv_cache()
-    key, readable = probe_key(adapter)
-    invariant = sensitivity > 0 and all(d == 0.0 and same for _, d, same in results)
-    return ProbeResult(invariant, key, readable, n, tuple(results), sensitivity,
-                       time.perf_counter() - t0, time.time(), long_tokens=n_long,
-                       sequences=sequences, notes=tuple(notes))
+    invariant = first.sensitivity > 0 and all(d == 0.0 and same for _, d, same in results)
+    return replace(first, invariant=invariant, results=tuple(results),
+                   seconds=first.seconds + time.perf_counter() - t0, measured_at=time.time(),
+                   long_tokens=n_long, sequences=sequences, notes=tuple(notes), pending=())
 
 
 _memo: dict[str, ProbeResult] = {}  # per process: several caches over one engine probe once
@@ -302,29 +376,93 @@ def probe_path(probe_dir: Path, key: str) -> Path:
 
 
 def load_or_probe(adapter: KVAdapter, probe_dir: Path,
-                  run: Callable[[KVAdapter], ProbeResult] = probe_batch_invariance
-                  ) -> ProbeResult:
-    """The recorded answer for this adapter, else run the probe once and record it."""
+                  run: Callable[[KVAdapter], ProbeResult] = probe_batch_invariance, *,
+                  staged: bool = False) -> ProbeResult:
+    """The recorded answer for this adapter, else run the probe once and record it.
+
+    `staged`: where nothing whole is recorded, the short stage only (recorded too, so the next
+    start does not repeat it): its `pending` stages are the caller's to finish
+    (`finish_probe`, then `record`). Not staged, a recorded short answer is finished here."""
     key, _ = probe_key(adapter)
     path = probe_path(probe_dir, key)
-    if key in _memo:  # probed in this process for another cache dir: record it here too
-        if not path.exists():
-            _record(path, _memo[key])
-        return _memo[key]
+    found = _memo.get(key) or _read(path, key)
+    if found is not None and (not found.pending or staged):
+        if not path.exists():  # probed in this process for another cache dir: record it too
+            _record(path, found)
+        _memo[key] = found
+        return found
+    if found is not None:
+        result = finish_probe(adapter, found)
+    elif staged:
+        result = probe_batch_invariance(adapter, stage="short")
+    else:
+        result = run(adapter)
+    log.info("batch-invariance probe (%s): %s in %.1fs", result.describe, result.reason,
+             result.seconds)
+    record(probe_dir, result)
+    return result
+
+
+class ProbeFinisher:
+    """The stages a short probe left pending, running on a thread of their own in a second
+    context of the adapter's model (`Twinned.twin`: the first keeps serving). The answer is
+    recorded and handed to `on_done`. The thread ends with the probe, so its engine threads
+    (OpenMP's team) go with it; `stop` ends it between two schedules."""
+
+    def __init__(self, adapter: Twinned, first: ProbeResult, probe_dir: Path,
+                 on_done: Callable[[ProbeResult], object]) -> None:
+        self._stop = threading.Event()
+        self.result: ProbeResult | None = None
+        self.thread = threading.Thread(target=self._run, args=(adapter, first, probe_dir,
+                                                               on_done),
+                                       name="edgekv-probe", daemon=True)
+        self.thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        self._stop.set()
+        self.thread.join(timeout)
+
+    def _run(self, adapter: Twinned, first: ProbeResult, probe_dir: Path,
+             on_done: Callable[[ProbeResult], object]) -> None:
+        try:
+            twin = adapter.twin()
+            try:
+                result = finish_probe(twin, first, stop=self._stop)
+            finally:
+                twin.close()
+        except ProbeStopped:
+            return
+        except Exception as e:  # noqa: BLE001 - reported; reuse stays whole chunks
+            log.warning("the batch-invariance probe's later stages failed (%s); whole-chunk "
+                        "reuse", e)
+            return
+        record(probe_dir, result)
+        log.info("batch-invariance probe (%s): %s in %.1fs", result.describe, result.reason,
+                 result.seconds)
+        self.result = result
+        on_done(result)
+
+
+def finish_later(adapter: KVAdapter, first: ProbeResult, probe_dir: Path,
+                 on_done: Callable[[ProbeResult], object]) -> ProbeFinisher | None:
+    """`ProbeFinisher` over `adapter`; None where it cannot open a second context (the caller
+    finishes in line)."""
+    return ProbeFinisher(adapter, first, probe_dir, on_done) if isinstance(adapter, Twinned) \
+        else None
+
+
+def record(probe_dir: Path, result: ProbeResult) -> None:
+    """Keep `result` as this process's and the cache dir's answer for its key."""
+    _memo[result.key] = result
+    _record(probe_path(probe_dir, result.key), result)
+
+
+def _read(path: Path, key: str) -> ProbeResult | None:
     try:
         found = ProbeResult.from_json(json.loads(path.read_text(encoding="utf-8")))
-        if found.key == key and found.version == PROBE_VERSION:
-            _memo[key] = found
-            return found
     except (OSError, ValueError, KeyError, TypeError):
-        pass  # missing or damaged: measure again
-    result = run(adapter)
-    log.info("batch-invariance probe (%s): %s in %.1fs%s", result.describe,
-             "invariant" if result.invariant else "NOT invariant", result.seconds,
-             "" if result.invariant else f"; differs under: {', '.join(result.failed)}")
-    _memo[key] = result
-    _record(path, result)
-    return result
+        return None  # missing or damaged: measure again
+    return found if found.key == key and found.version == PROBE_VERSION else None
 
 
 def _record(path: Path, result: ProbeResult) -> None:

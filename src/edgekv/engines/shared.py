@@ -9,19 +9,23 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import ConfigError, EngineError, IncompatibleFragment
 from ..fragment import KVFragment
 from ..keys import ModelFingerprint
-from .base import FragmentSpec, Generation, KVAdapter, TokenCallback
+from .base import DraftVerifier, FragmentSpec, Generation, KVAdapter, TokenCallback
 from .constraint import Constraint
 from .window import WindowLayout
 
+if TYPE_CHECKING:
+    from .spec import Speculation
+
 __all__ = ["SequenceAdapter", "aligned_batches", "append_length", "build_fragments",
-           "check_injectable", "check_prefill", "injection_length", "sample_loop",
-           "sample_token", "stack_prefix"]
+           "check_injectable", "check_prefill", "check_sampling", "injection_length",
+           "sample_loop", "sample_token", "stack_prefix"]
 
 
 def check_prefill(held: int, new: int, n_ctx: int) -> None:
@@ -64,14 +68,9 @@ def sample_token(logits: np.ndarray, temperature: float, top_p: float,
     return int(rng.choice(len(p), p=p))
 
 
-def sample_loop(adapter: KVAdapter, logits: np.ndarray, max_tokens: int, *, temperature: float,
-                seed: int, keep_logits: bool, top_p: float = 1.0,
-                on_token: TokenCallback | None = None,
-                constraint: Constraint | None = None) -> Generation:
-    """Sample one token at a time (`sample_token`); each token but the last is evaluated, so
-    the engine then holds the prompt and the answer less its last token. A `constraint`
-    masks each step's logits before the draw and is told the token drawn (before `on_token`
-    sees it); the logits kept with `keep_logits` are the raw ones, before its mask."""
+def check_sampling(adapter: KVAdapter, max_tokens: int, top_p: float) -> None:
+    """Refuse a negative `max_tokens`, a `top_p` outside (0, 1], or an answer that cannot fit
+    the context window after what the engine holds."""
     if max_tokens < 0:
         raise ConfigError(f"max_tokens={max_tokens} must be >= 0")
     if not 0.0 < top_p <= 1.0:
@@ -81,6 +80,27 @@ def sample_loop(adapter: KVAdapter, logits: np.ndarray, max_tokens: int, *, temp
             f"prompt ({adapter.n_tokens} tokens) + max_tokens ({max_tokens}) exceeds the context "
             f"window ({adapter.n_ctx}); shorten the prompt or raise --n-ctx"
         )
+
+
+def sample_loop(adapter: KVAdapter, logits: np.ndarray, max_tokens: int, *, temperature: float,
+                seed: int, keep_logits: bool, top_p: float = 1.0,
+                on_token: TokenCallback | None = None,
+                constraint: Constraint | None = None,
+                speculation: Speculation | None = None) -> Generation:
+    """Sample one token at a time (`sample_token`); each token but the last is evaluated, so
+    the engine then holds the prompt and the answer less its last token. A `constraint`
+    masks each step's logits before the draw and is told the token drawn (before `on_token`
+    sees it); the logits kept with `keep_logits` are the raw ones, before its mask.
+    `speculation`: the same tokens through `spec.speculative_loop` (drafts verified in one
+    batch), where the adapter can verify drafts (`DraftVerifier`); elsewhere ignored."""
+    if speculation is not None and isinstance(adapter, DraftVerifier):
+        from .spec import speculative_loop
+
+        return speculative_loop(adapter, logits, max_tokens, temperature=temperature,
+                                seed=seed, keep_logits=keep_logits, top_p=top_p,
+                                on_token=on_token, constraint=constraint,
+                                speculation=speculation)
+    check_sampling(adapter, max_tokens, top_p)
     rng = np.random.default_rng(seed)
     tokens: list[int] = []
     kept: list[np.ndarray] = []
@@ -258,7 +278,8 @@ class SequenceAdapter(ABC):
     def generate(self, logits: np.ndarray, max_tokens: int, *, temperature: float = 0.0,
                  seed: int = 0, keep_logits: bool = False, top_p: float = 1.0,
                  on_token: TokenCallback | None = None,
-                 constraint: Constraint | None = None) -> Generation:
+                 constraint: Constraint | None = None,
+                 speculation: Speculation | None = None) -> Generation:
         return sample_loop(self, logits, max_tokens, temperature=temperature, seed=seed,  # type: ignore[arg-type]
                            keep_logits=keep_logits, top_p=top_p, on_token=on_token,
-                           constraint=constraint)
+                           constraint=constraint, speculation=speculation)

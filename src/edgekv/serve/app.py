@@ -32,6 +32,7 @@ from starlette.responses import JSONResponse, Response
 from ..cache import EdgeKV
 from ..engines.base import ModelFile
 from ..engines.constraint import Grammar
+from ..engines.probe import ProbeFinisher
 from ..errors import ConfigError
 from ..parallel import Slots, open_slots
 from ..prefetch import Prefetcher
@@ -124,6 +125,7 @@ class _Server:
         self.options, self.model_id = options, model_id
         self.served: ServedModel | None = None
         self.slots: Slots | None = None  # what --parallel got (parallel.open_slots)
+        self._probing: ProbeFinisher | None = None  # the probe's later stages (_serve)
         self._loader = None if isinstance(kv, EdgeKV) else kv
         self.scheduler = Scheduler(max_queue=options.max_queue,
                                    max_waiting=options.max_waiting,
@@ -176,8 +178,12 @@ class _Server:
                                   sequences=self.slots.sequences)
         if kv.router is not None:
             self.metrics.routing()
+        if kv.probe_pending:  # a staged first start (runner.py): the rest in the background
+            self._probing = kv.finish_probe()
 
     def close(self) -> None:
+        if self._probing is not None:  # ends between two of its schedules
+            self._probing.stop()
         self.scheduler.stop()
         if self.slots is not None:
             self.slots.close()
@@ -271,13 +277,16 @@ class _Server:
 
     def _engine_card(self) -> dict[str, Any]:
         """What the engine runs: its build line, the batch-invariant kernels and flash attention
-        (llama.cpp), and the reuse granularity the probe decided, with why."""
+        (llama.cpp), the reuse granularity the probe decided, with why, and whether
+        speculative decoding runs, with why."""
         assert self.served is not None
         kv = self.served.kv
         a = kv.adapter
         return {"build": a.build_info(), "batch_invariant": getattr(a, "batch_invariant", None),
                 "flash_attn": getattr(a, "flash_attn", None),
-                "reuse_granularity": kv.granularity, "why": kv.granularity_reason}
+                "reuse_granularity": kv.granularity, "why": kv.granularity_reason,
+                "probe_pending": list(kv.probe_pending),
+                "speculative": kv.speculation_reason}
 
     def _model_card(self) -> dict[str, Any]:
         return {"id": self.model_id, "object": "model", "created": self.created,

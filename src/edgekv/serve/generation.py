@@ -20,7 +20,8 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from ..cache import EdgeKV
 from ..chat import ChatTokenizer
@@ -81,12 +82,14 @@ class Finished(FinalEvent):  # the job's last event (see Job.next_event)
     logprobs: tuple[TokenLogprob, ...] | None = None  # every token's, when asked for
     tool_calls: tuple[ToolCallOut, ...] = ()
     sent_logprobs: int = 0  # how many of `logprobs` the Deltas carried
-    # what reuse did (the response's `edgekv` object, responses.edgekv_info)
-    streamed_tokens: int = 0  # prompt tokens whose KV a fill step streamed in
-    computed_tokens: int = 0  # prompt tokens computed here
-    tier: str | None = None  # the semantic router's exact / partial / miss; None: no router
-    approximate: bool = False  # reused KV not exactly what a cold run computes
-    passages: dict[str, object] | None = None  # PassageReport.as_dict(); None: no documents
+    # what reuse and decoding did: the response's `edgekv` object, built once by
+    # `GenerationResult.summary` (its keys are a contract)
+    edgekv: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tier(self) -> str | None:
+        """The semantic router's exact / partial / miss; None: no router."""
+        return self.edgekv.get("tier")
 
 
 class ServedModel:
@@ -263,24 +266,20 @@ class ServedModel:
             sent += len(lps)
             job.emit(Delta(held, lps))
         done = time.perf_counter()
-        tier = None if r.match.tier == "none" else r.match.tier
-        approximate = r.match.approximate or (r.passages is not None and
-                                              r.passages.approximate)
         metrics.observe(prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens,
                         completion_tokens=len(r.tokens), ttft_s=t0 - job.arrived + r.ttft_s,
                         e2e_s=done - job.arrived, refused_injection=bool(r.rejections),
                         streamed_tokens=r.streamed_tokens, computed_tokens=r.computed_tokens,
-                        tier=tier, approximate=approximate,
-                        passage_reused_tokens=r.passages.reused_tokens if r.passages else 0)
+                        tier=r.tier, approximate=r.approximate,
+                        passage_reused_tokens=r.passages.reused_tokens if r.passages else 0,
+                        drafted_tokens=r.drafted_tokens, accepted_tokens=r.accepted_tokens)
         reason = "tool_calls" if calls else "stop" if text.stopped else r.finish_reason
         job.emit(Finished(text="" if calls else text.text, finish_reason=reason,
                           prompt_tokens=r.prompt_tokens, completion_tokens=len(r.tokens),
                           cached_tokens=r.cached_tokens,
                           logprobs=None if recorder is None else tuple(recorder.entries),
                           tool_calls=tuple(calls or ()), sent_logprobs=sent,
-                          streamed_tokens=r.streamed_tokens, computed_tokens=r.computed_tokens,
-                          tier=tier, approximate=approximate,
-                          passages=None if r.passages is None else r.passages.as_dict()))
+                          edgekv=r.summary()))
 
     def _piece(self, token: int) -> bytes:
         """A token's bytes, as the engine has them (llama.cpp's piece: a part of a UTF-8

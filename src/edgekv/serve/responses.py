@@ -14,8 +14,10 @@ what reuse did, `edgekv` (`edgekv_info`):
      "tier": "exact" | "partial" | "miss" | null,  # the semantic router's; null: no router
      "approximate": bool,      # reused KV is not what a cold run computes (approximate
                                # match, or documents placed from the passage cache)
-     "passages": null | {...}} # null without documents (or with the cache off); else the
+     "passages": null | {...}, # null without documents (or with the cache off); else the
                                # placement's report (passages.PassageReport.as_dict)
+     "drafted_tokens": int,    # speculative decoding: drafted tokens verified (0: plain)
+     "accepted_tokens": int}   # of them, those the answer took (each a decode step saved)
 
 Non-streamed responses also carry the tier in the header `X-EdgeKV-Tier` (where there is a
 router). A stream's headers leave before the tier is known (the router names it after the
@@ -52,9 +54,7 @@ def usage(f: Finished) -> dict[str, Any]:
 
 def edgekv_info(f: Finished) -> dict[str, Any]:
     """The response's `edgekv` object (see the module doc); its keys are a contract."""
-    return {"cached_tokens": f.cached_tokens, "streamed_tokens": f.streamed_tokens,
-            "computed_tokens": f.computed_tokens, "tier": f.tier,
-            "approximate": f.approximate, "passages": f.passages}
+    return dict(f.edgekv)
 
 
 def sse(obj: dict[str, Any]) -> bytes:

@@ -33,18 +33,20 @@ def load_edgekv(model: str | Path | None, config: CacheConfig, *, n_ctx: int = 2
                 engine: str = "llamacpp", store_url: str | None = None,
                 n_threads: int | None = None, flash_attn: bool | None = None,
                 semantic: bool = False, prefetch: bool = False,
-                fill: FillStep | None = None) -> EdgeKV:
+                fill: FillStep | None = None, staged_probe: bool = False) -> EdgeKV:
     """The EdgeKV the server uses (`open_llamacpp`): RAM in front of the disk store, or of
     `store_url` (`redis://...` shares fragments between server processes); `semantic`,
     `prefetch`, `fill` (SparKV from a KV server) as there. `flash_attn`: llama.cpp's flash
     attention, None for the engine's default (on with EdgeKV's batch-invariant build; exact
-    reuse at any token only where the probe passes, elsewhere whole chunks)."""
+    reuse at any token only where the probe passes, elsewhere whole chunks). `staged_probe`:
+    a first start probes briefly and serves whole chunks until the rest of the probe, run
+    in the background by the app, passes (`EdgeKV`)."""
     from .. import open_llamacpp
 
     kwargs: dict[str, Any] = {} if flash_attn is None else {"flash_attn": flash_attn}
     return open_llamacpp(model, config, n_ctx=n_ctx, engine=engine, n_threads=n_threads,
                          semantic=semantic, prefetch=prefetch, fill=fill, store_url=store_url,
-                         **kwargs)
+                         staged_probe=staged_probe, **kwargs)
 
 
 def bind(host: str, port: int) -> socket.socket:
