@@ -271,7 +271,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
 # (`add_parser`, bench/options.py); faults and fuzz are harnesses a source checkout keeps beside
 # the package (harness/edgekv_harness), not shipped in the wheel
 BENCHES = ("reuse", "lookup", "seed", "stream", "engines", "codec", "serve", "rag", "kernels",
-           "pressure")
+           "pressure", "spec")
 HARNESS_BENCHES = ("faults", "fuzz")
 
 
