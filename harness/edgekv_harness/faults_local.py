@@ -122,7 +122,7 @@ def concurrent(work: Path, o: dict[str, Any]) -> dict[str, Any]:
     def cli_loop() -> None:  # each loop runs at least once, then until the deadline
         for _ in _until(until):
             i = rng.randrange(len(prompts))
-            args = ["generate", prompts[i], "--json", "--no-semantic", "--max-tokens",
+            args = ["generate", prompts[i], "--raw", "--json", "--no-semantic", "--max-tokens",
                     str(o["max_tokens"]), "--cache-dir", str(cache), "--n-ctx", str(o["n_ctx"])]
             if o["model"]:
                 args += ["--model", str(o["model"])]
@@ -440,7 +440,7 @@ def privacy(work: Path, o: dict[str, Any]) -> dict[str, Any]:
     old = os.umask(0o022)  # a usual umask: the code, not the umask, must make files private
     try:
         rc, ev, err = run_worker(cache, pf, o, count=len(prompts), verbose=True)
-        args = ["-v", "generate", prompts[0], "--json", "--no-semantic", "--max-tokens",
+        args = ["-v", "generate", prompts[0], "--raw", "--json", "--no-semantic", "--max-tokens",
                 str(o["max_tokens"]), "--cache-dir", str(cache), "--n-ctx", str(o["n_ctx"])]
         cli = subprocess.run(edgekv_cmd(*args + (["--model", o["model"]] if o["model"] else [])),
                              capture_output=True, env=child_env(cache), timeout=1800)

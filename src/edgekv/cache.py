@@ -27,7 +27,13 @@ import numpy as np
 
 from .config import CacheConfig
 from .engines.base import Generation, KVAdapter, TokenCallback, WindowedKV
-from .engines.probe import ProbeFinisher, ProbeResult, finish_later, load_or_probe
+from .engines.probe import (
+    ProbeFinisher,
+    ProbeResult,
+    finish_later,
+    load_or_probe,
+    speculation_check,
+)
 from .engines.probe import finish_probe as finish_pending
 from .engines.probe import record as record_probe
 from .engines.spec import Speculation
@@ -200,13 +206,11 @@ class EdgeKV:
 
     def _decide_speculation(self) -> None:
         """`config.speculative` "ngram" turns speculative decoding on where the probe allows
-        it (`engines.probe_spec.speculation_check`); one `Speculation` (its measured step
+        it (`engines.probe.speculation_check`); one `Speculation` (its measured step
         costs) is kept across decisions."""
         if self.config.speculative == "none":
             self.speculation, self.speculation_reason = None, "off (speculative=none)"
             return
-        from .engines.probe_spec import speculation_check
-
         ok, why = speculation_check(self.adapter, self.probe)
         if ok:
             self.speculation = self.speculation or Speculation()

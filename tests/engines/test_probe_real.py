@@ -13,6 +13,7 @@ real_stack("real engine", "llama_cpp", check=default_model_path)
 
 from edgekv.engines import probe, probe_batch  # noqa: E402
 from edgekv.engines.llamacpp import LlamaCppAdapter  # noqa: E402
+from edgekv.engines.probe_spec import SPEC_SCHEDULE  # noqa: E402
 
 pytestmark = pytest.mark.real
 
@@ -50,8 +51,12 @@ def test_the_probe_runs_a_long_prompt_and_the_batch_schedule(adapter):
     assert f"long {res.long_tokens}: 4 decode steps" in names
     assert any(n.startswith("3 sequences") for n in names)
     assert len(names) == len(probe.schedules(res.tokens)) + 2 + 1
-    [(note, _, _)] = res.notes  # the unified-KV batch: recorded, not deciding
-    assert "unified KV" in note and note not in names
+    # recorded, not deciding the granularity: the unified-KV batch, and the draft schedule
+    # (speculative decoding's, bit for bit on the setup build)
+    notes = {n: (d, same) for n, d, same in res.notes}
+    assert len(notes) == 2 and not set(notes) & set(names)
+    assert any("unified KV" in n for n in notes)
+    assert notes[SPEC_SCHEDULE] == (0.0, True)
 
 
 def test_a_decode_step_is_the_same_at_any_thread_count():

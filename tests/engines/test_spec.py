@@ -8,17 +8,17 @@ import pytest
 
 from edgekv import CacheConfig, EdgeKV, open_store
 from edgekv.engines import probe as probe_mod
-from edgekv.engines import probe_spec
 from edgekv.engines.base import DraftVerifier
 from edgekv.engines.fake import FakeAdapter
-from edgekv.engines.probe_spec import SPEC_SCHEDULE, draft_verify_diff, speculation_check
+from edgekv.engines.probe import speculation_check
+from edgekv.engines.probe_spec import SPEC_SCHEDULE, draft_verify_diff
+from edgekv.engines.shared import speculative_loop
 from edgekv.engines.spec import (
     DraftPolicy,
     NGramDrafter,
     SpecConfig,
     Speculation,
     StepCosts,
-    speculative_loop,
 )
 from edgekv.errors import ConfigError
 
@@ -265,7 +265,7 @@ def test_probe_schedule_passes_on_an_invariant_engine_and_fails_on_a_variant_one
 
 
 def test_gate_follows_the_probe(monkeypatch):
-    monkeypatch.setattr(probe_spec, "_checked", {})
+    monkeypatch.setattr(probe_mod, "_checked", {})
     a = FakeAdapter()
     ok = probe_mod.probe_batch_invariance(a)
     assert speculation_check(a, ok)[0]
@@ -283,7 +283,7 @@ def _with_notes(p: probe_mod.ProbeResult, notes: tuple) -> probe_mod.ProbeResult
 
 def test_edgekv_speculates_only_where_configured_and_allowed(tmp_path, monkeypatch):
     monkeypatch.setattr(probe_mod, "_memo", {})
-    monkeypatch.setattr(probe_spec, "_checked", {})
+    monkeypatch.setattr(probe_mod, "_checked", {})
     unit = "repeat this: the hub connects lights, thermostats and sensors. "
     prompt, n = unit * 4, len(unit)
     results = {}

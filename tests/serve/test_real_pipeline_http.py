@@ -60,7 +60,7 @@ def edgekv(obj: object) -> dict[str, object]:
     assert extra is not None and "edgekv" in extra, obj
     e = extra["edgekv"]
     assert set(e) == {"cached_tokens", "streamed_tokens", "computed_tokens", "tier",
-                      "approximate", "passages"}
+                      "approximate", "passages", "drafted_tokens", "accepted_tokens"}
     return dict(e)
 
 

@@ -59,13 +59,12 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from ..errors import EdgeKVError
-from .base import FragmentSpec, KVAdapter, Twinned
+from .base import DraftVerifier, FragmentSpec, KVAdapter, Twinned
 from .probe_spec import DRAFTS, SPEC_SCHEDULE, draft_verify_diff
 
 __all__ = ["ProbeFinisher", "ProbeResult", "ProbeStopped", "Schedule", "finish_later",
-           "finish_probe", "load_or_probe",
-           "measure_prefill",
-           "probe_batch_invariance", "probe_key", "record", "recorded_probes"]
+           "finish_probe", "load_or_probe", "measure_prefill", "probe_batch_invariance",
+           "probe_key", "record", "recorded_probes", "speculation_check"]
 
 log = logging.getLogger(__name__)
 
@@ -497,3 +496,42 @@ def recorded_probes(probe_dir: Path) -> list[ProbeResult]:
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return out
+
+
+# -- may speculative decoding run? (the draft schedule's row, `probe_spec`) ----------------
+
+_checked: dict[str, tuple[bool, str]] = {}  # per probe key, where the record lacks the row
+_lock = threading.Lock()
+
+
+def speculation_check(adapter: KVAdapter, probe: ProbeResult | None) -> tuple[bool, str]:
+    """(whether drafts may be verified in one batch on this engine, why): from the probe's
+    record (`ProbeResult`: reuse must be token-exact, and its draft row identical); where the
+    record has no such row (measured before it existed), the schedule runs once now."""
+    if not isinstance(adapter, DraftVerifier):
+        return False, f"the {type(adapter).__name__} engine cannot verify drafts in a batch"
+    if not isinstance(probe, ProbeResult):
+        return False, "the batch-invariance probe did not run (reuse_granularity=chunk)"
+    if probe.pending:  # a staged probe: its last stages still run
+        return False, "the probe's remaining stages have not run yet"
+    if not probe.invariant:
+        return False, ("the engine is not batch-invariant (" + ", ".join(probe.failed)
+                       + "): verified drafts would change the output")
+    row = next((r for r in probe.notes if r[0] == SPEC_SCHEDULE), None)
+    if row is None:
+        with _lock:
+            if probe.key not in _checked:
+                measured = draft_verify_diff(adapter, probe_tokens(adapter))
+                _checked[probe.key] = _verdict(measured)
+            return _checked[probe.key]
+    return _verdict(row)
+
+
+def _verdict(row: tuple[str, float, bool] | None) -> tuple[bool, str]:
+    if row is None:
+        return False, "the engine cannot verify drafts in a batch"
+    _, diff, same = row
+    if same:
+        return True, "probe: drafts verified in one batch equal decode steps bit for bit"
+    return False, (f"probe: drafts verified in one batch differ from decode steps (max |logit "
+                   f"diff| {diff:.3g}, or their KV): decoding stays plain")

@@ -14,20 +14,19 @@ prompt, `DRAFTS + 1` tokens decoded one at a time (the reference), versus the fi
 `KEPT` of them plus `DRAFTS + 1 - KEPT` wrong tokens in one batch, logits at every position,
 the wrong tokens' cells removed, then the remaining tokens decoded one at a time. Every
 position's logits and the KV of every position are compared bit for bit. Speculation runs
-only where this passes (`speculation_check`); the result is one row of the probe's record
+only where this passes (`probe.speculation_check`); the result is one row of the probe's record
 (`ProbeResult.notes`: measured, not deciding the reuse granularity).
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 
 import numpy as np
 
 from .base import DraftVerifier, FragmentSpec, KVAdapter
 
-__all__ = ["DRAFTS", "KEPT", "SPEC_SCHEDULE", "draft_verify_diff", "speculation_check"]
+__all__ = ["DRAFTS", "KEPT", "SPEC_SCHEDULE", "draft_verify_diff"]
 
 DRAFTS = 7  # a verification batch of 8 tokens: the last token and 7 drafts
 KEPT = 5  # tokens of the batch that are right (the last token and 4 drafts); 3 rejected
@@ -70,44 +69,3 @@ def draft_verify_diff(adapter: KVAdapter,
     diff = max(float(np.max(np.abs(r - g))) for r, g in zip(ref, got, strict=True))
     same = diff == 0.0 and bool(np.array_equal(k, ref_k) and np.array_equal(v, ref_v))
     return SPEC_SCHEDULE, diff, same
-
-
-_checked: dict[str, tuple[bool, str]] = {}  # per probe key, where the record lacks the row
-_lock = threading.Lock()
-
-
-def speculation_check(adapter: KVAdapter, probe: object | None) -> tuple[bool, str]:
-    """(whether drafts may be verified in one batch on this engine, why): from the probe's
-    record (`ProbeResult`: reuse must be token-exact, and its draft row identical); where the
-    record has no such row (measured before it existed), the schedule runs once now."""
-    from .probe import ProbeResult
-
-    if not isinstance(adapter, DraftVerifier):
-        return False, f"the {type(adapter).__name__} engine cannot verify drafts in a batch"
-    if not isinstance(probe, ProbeResult):
-        return False, "the batch-invariance probe did not run (reuse_granularity=chunk)"
-    if getattr(probe, "pending", ()):  # a staged probe: its last stages still run
-        return False, "the probe's remaining stages have not run yet"
-    if not probe.invariant:
-        return False, ("the engine is not batch-invariant (" + ", ".join(probe.failed)
-                       + "): verified drafts would change the output")
-    row = next((r for r in probe.notes if r[0] == SPEC_SCHEDULE), None)
-    if row is None:
-        with _lock:
-            if probe.key not in _checked:
-                from .probe import probe_tokens
-
-                measured = draft_verify_diff(adapter, probe_tokens(adapter))
-                _checked[probe.key] = _verdict(measured)
-            return _checked[probe.key]
-    return _verdict(row)
-
-
-def _verdict(row: tuple[str, float, bool] | None) -> tuple[bool, str]:
-    if row is None:
-        return False, "the engine cannot verify drafts in a batch"
-    _, diff, same = row
-    if same:
-        return True, "probe: drafts verified in one batch equal decode steps bit for bit"
-    return False, (f"probe: drafts verified in one batch differ from decode steps (max |logit "
-                   f"diff| {diff:.3g}, or their KV): decoding stays plain")

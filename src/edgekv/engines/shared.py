@@ -7,9 +7,9 @@ an adapter is its engine's specifics plus calls into this module.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -18,14 +18,12 @@ from ..fragment import KVFragment
 from ..keys import ModelFingerprint
 from .base import DraftVerifier, FragmentSpec, Generation, KVAdapter, TokenCallback
 from .constraint import Constraint
+from .spec import NGramDrafter, Speculation
 from .window import WindowLayout
-
-if TYPE_CHECKING:
-    from .spec import Speculation
 
 __all__ = ["SequenceAdapter", "aligned_batches", "append_length", "build_fragments",
            "check_injectable", "check_prefill", "check_sampling", "injection_length",
-           "sample_loop", "sample_token", "stack_prefix"]
+           "sample_loop", "sample_token", "speculative_loop", "stack_prefix"]
 
 
 def check_prefill(held: int, new: int, n_ctx: int) -> None:
@@ -91,11 +89,9 @@ def sample_loop(adapter: KVAdapter, logits: np.ndarray, max_tokens: int, *, temp
     the engine then holds the prompt and the answer less its last token. A `constraint`
     masks each step's logits before the draw and is told the token drawn (before `on_token`
     sees it); the logits kept with `keep_logits` are the raw ones, before its mask.
-    `speculation`: the same tokens through `spec.speculative_loop` (drafts verified in one
+    `speculation`: the same tokens through `speculative_loop` (drafts verified in one
     batch), where the adapter can verify drafts (`DraftVerifier`); elsewhere ignored."""
     if speculation is not None and isinstance(adapter, DraftVerifier):
-        from .spec import speculative_loop
-
         return speculative_loop(adapter, logits, max_tokens, temperature=temperature,
                                 seed=seed, keep_logits=keep_logits, top_p=top_p,
                                 on_token=on_token, constraint=constraint,
@@ -122,6 +118,79 @@ def sample_loop(adapter: KVAdapter, logits: np.ndarray, max_tokens: int, *, temp
         if i + 1 < max_tokens:
             logits = adapter.prefill([tok], align=1)
     return Generation(tuple(tokens), tuple(kept), eos, stopped)
+
+
+def speculative_loop(adapter: KVAdapter, logits: np.ndarray, max_tokens: int, *,
+                     temperature: float, seed: int, keep_logits: bool, top_p: float = 1.0,
+                     on_token: TokenCallback | None = None,
+                     constraint: Constraint | None = None,
+                     speculation: Speculation) -> Generation:
+    """`sample_loop`'s tokens, with drafts verified in one batch (`spec`'s module doc). The
+    adapter must be a `DraftVerifier`; the engine is left holding the prompt and the answer
+    less its last token, as after `sample_loop`."""
+    if not isinstance(adapter, DraftVerifier):
+        raise ConfigError(f"the {type(adapter).__name__} engine cannot verify drafts")
+    check_sampling(adapter, max_tokens, top_p)
+    rng = np.random.default_rng(seed)
+    base = adapter.n_tokens  # the prompt: held before the first token
+    drafter = NGramDrafter(adapter.token_ids, speculation.config)
+    policy = speculation.policy()
+    costs = speculation.costs
+    assert costs is not None
+    tokens: list[int] = []
+    kept: list[np.ndarray] = []
+    eos = stopped = False
+    drafted = accepted = steps = 0
+    fed = 0  # answer tokens the drafter has seen
+    step_logits, drafts = [logits], list[int]()
+    while True:
+        done = False
+        took = 0  # this step's drafts equal to the tokens sampled at their positions
+        for j, lg in enumerate(step_logits):
+            if keep_logits:
+                kept.append(lg)
+            tok = sample_token(lg if constraint is None else constraint.mask(lg),
+                               temperature, top_p, rng)
+            tokens.append(tok)
+            match = j < len(drafts) and tok == drafts[j]
+            took += match
+            if tok == adapter.eos_token:
+                eos = done = True
+            else:
+                if constraint is not None:
+                    constraint.accept(tok)
+                if on_token is not None and on_token(tok) is False:
+                    stopped = done = True
+            if done or len(tokens) >= max_tokens:
+                done = True
+                break
+            if not match:
+                break
+        if drafts:
+            policy.observe(len(drafts), took)
+            accepted += took
+        # the engine holds the drafts' cells too: keep the answer's, less its last token
+        want = base + len(tokens) - 1
+        if adapter.n_tokens > want:
+            adapter.truncate(want)
+        if done or not tokens:
+            break
+        drafter.extend(tokens[fed:])
+        fed = len(tokens)
+        room = max_tokens - len(tokens) - 1
+        drafts = drafter.propose(policy.length(room) if room > 0 else 0)
+        t0 = time.perf_counter()
+        if drafts:
+            step_logits = adapter.verify([tokens[-1], *drafts])
+            drafted += len(drafts)
+            steps += 1
+        else:
+            step_logits = [adapter.prefill([tokens[-1]], align=1)]
+        costs.observe(len(drafts) + 1, time.perf_counter() - t0)
+    speculation.count(drafted, accepted, steps)
+    return Generation(tuple(tokens), tuple(kept), eos, stopped, drafted=drafted,
+                      accepted=accepted)
+
 
 
 def injection_length(fragments: Sequence[KVFragment], fp: ModelFingerprint,

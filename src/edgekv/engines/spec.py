@@ -34,18 +34,12 @@ second beat a plain step's.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from ..errors import ConfigError
-from .base import DraftVerifier, Generation, KVAdapter, TokenCallback
-from .constraint import Constraint
 
-__all__ = ["DraftPolicy", "NGramDrafter", "SpecConfig", "Speculation", "StepCosts",
-           "speculative_loop"]
+__all__ = ["DraftPolicy", "NGramDrafter", "SpecConfig", "Speculation", "StepCosts"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,78 +251,3 @@ class Speculation:
         with self._lock:
             return {"drafted": self.drafted, "accepted": self.accepted, "steps": self.steps,
                     "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0}
-
-
-def speculative_loop(adapter: KVAdapter, logits: np.ndarray, max_tokens: int, *,
-                     temperature: float, seed: int, keep_logits: bool, top_p: float = 1.0,
-                     on_token: TokenCallback | None = None,
-                     constraint: Constraint | None = None,
-                     speculation: Speculation) -> Generation:
-    """`shared.sample_loop`'s tokens, with drafts verified in one batch (module doc). The
-    adapter must be a `DraftVerifier`; the engine is left holding the prompt and the answer
-    less its last token, as after `sample_loop`."""
-    from .shared import check_sampling, sample_token
-
-    if not isinstance(adapter, DraftVerifier):
-        raise ConfigError(f"the {type(adapter).__name__} engine cannot verify drafts")
-    check_sampling(adapter, max_tokens, top_p)
-    rng = np.random.default_rng(seed)
-    base = adapter.n_tokens  # the prompt: held before the first token
-    drafter = NGramDrafter(adapter.token_ids, speculation.config)
-    policy = speculation.policy()
-    costs = speculation.costs
-    assert costs is not None
-    tokens: list[int] = []
-    kept: list[np.ndarray] = []
-    eos = stopped = False
-    drafted = accepted = steps = 0
-    fed = 0  # answer tokens the drafter has seen
-    step_logits, drafts = [logits], list[int]()
-    while True:
-        done = False
-        took = 0  # this step's drafts equal to the tokens sampled at their positions
-        for j, lg in enumerate(step_logits):
-            if keep_logits:
-                kept.append(lg)
-            tok = sample_token(lg if constraint is None else constraint.mask(lg),
-                               temperature, top_p, rng)
-            tokens.append(tok)
-            match = j < len(drafts) and tok == drafts[j]
-            took += match
-            if tok == adapter.eos_token:
-                eos = done = True
-            else:
-                if constraint is not None:
-                    constraint.accept(tok)
-                if on_token is not None and on_token(tok) is False:
-                    stopped = done = True
-            if done or len(tokens) >= max_tokens:
-                done = True
-                break
-            if not match:
-                break
-        if drafts:
-            policy.observe(len(drafts), took)
-            accepted += took
-        # the engine holds the drafts' cells too: keep the answer's, less its last token
-        want = base + len(tokens) - 1
-        if adapter.n_tokens > want:
-            adapter.truncate(want)
-        if done or not tokens:
-            break
-        drafter.extend(tokens[fed:])
-        fed = len(tokens)
-        room = max_tokens - len(tokens) - 1
-        drafts = drafter.propose(policy.length(room) if room > 0 else 0)
-        t0 = time.perf_counter()
-        if drafts:
-            step_logits = adapter.verify([tokens[-1], *drafts])
-            drafted += len(drafts)
-            steps += 1
-        else:
-            step_logits = [adapter.prefill([tokens[-1]], align=1)]
-        costs.observe(len(drafts) + 1, time.perf_counter() - t0)
-    speculation.count(drafted, accepted, steps)
-    return Generation(tuple(tokens), tuple(kept), eos, stopped, drafted=drafted,
-                      accepted=accepted)
-
