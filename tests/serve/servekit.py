@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -121,3 +124,31 @@ def wait_for(cond: Any, timeout: float = 10.0, what: str = "condition") -> None:
     while not cond():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.01)
+
+
+@contextmanager
+def serve_process(args: Sequence[str], log_path: Path, env: dict[str, str], *,
+                  check: Callable[[subprocess.Popen[str]], None] = lambda p: None,
+                  timeout_s: float = 180) -> Iterator[str]:
+    """A real `edgekv serve ARGS` process, its stderr in `log_path`: yields its URL once
+    /health answers 200 (the model loaded), stops it after. `check(proc)` runs once it is up."""
+    from edgekv.serve.runner import stop_process
+
+    log = open(log_path, "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen([sys.executable, "-m", "edgekv", "serve", *args],
+                            stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+    try:
+        check(proc)
+        line = proc.stdout.readline()  # type: ignore[union-attr]
+        assert "listening on" in line, (line, log_path.read_text()[-2000:])
+        url = line.split("listening on ")[1].split()[0]
+        deadline = time.monotonic() + timeout_s
+        while httpx.get(f"{url}/health").status_code != 200:
+            assert proc.poll() is None, log_path.read_text()[-2000:]
+            assert time.monotonic() < deadline, f"the model did not load within {timeout_s} s"
+            time.sleep(0.2)
+        yield url
+    finally:
+        stop_process(proc)
+        proc.stdout.close()  # type: ignore[union-attr]
+        log.close()

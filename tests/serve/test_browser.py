@@ -18,24 +18,22 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from edgekv.engines.models import default_model_path
-from edgekv.serve.runner import stop_process
 from edgekv.texts import MANUAL, SYSTEM_PROMPT
 
 from ..conftest import real_stack
 
 real_stack("the real server stack", "llama_cpp", "fastapi", "uvicorn",
            check=default_model_path)
+
+from .servekit import serve_process  # noqa: E402
 
 pytestmark = pytest.mark.real
 KEY = "browser-test-key"
@@ -96,25 +94,9 @@ def server(tmp_path_factory) -> Iterator[str]:
     keys.chmod(0o600)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "EDGEKV_REUSE_GRANULARITY": "chunk"}
     env.pop("EDGEKV_API_KEYS", None)
-    log = open(tmp / "server.log", "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "edgekv", "serve", "--port", "0", "--cache-dir", str(tmp),
-         "--api-key-file", str(keys), "--passage-reuse"],
-        stdout=subprocess.PIPE, stderr=log, text=True, env=env)
-    try:
-        line = proc.stdout.readline()  # type: ignore[union-attr]
-        assert "listening on" in line, (line, (tmp / "server.log").read_text()[-2000:])
-        url = line.split("listening on ")[1].split()[0]
-        deadline = time.monotonic() + 180
-        while httpx.get(f"{url}/health").status_code != 200:
-            assert proc.poll() is None, (tmp / "server.log").read_text()[-2000:]
-            assert time.monotonic() < deadline, "the model did not load within 180 s"
-            time.sleep(0.2)
+    with serve_process(["--port", "0", "--cache-dir", str(tmp), "--api-key-file", str(keys),
+                        "--passage-reuse"], tmp / "server.log", env) as url:
         yield url
-    finally:
-        stop_process(proc)
-        proc.stdout.close()  # type: ignore[union-attr]
-        log.close()
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,7 +18,6 @@ import pytest
 
 from edgekv.chat import ChatTokenizer
 from edgekv.engines.models import default_model_path
-from edgekv.serve.runner import stop_process
 from edgekv.texts import MANUAL, SYSTEM_PROMPT
 
 from ..conftest import real_stack
@@ -28,6 +26,8 @@ real_stack("the real server stack", "llama_cpp", "fastapi", "uvicorn", "openai",
            check=default_model_path)
 
 import openai  # noqa: E402
+
+from .servekit import serve_process  # noqa: E402
 
 pytestmark = pytest.mark.real
 KEYS = ("tenant-a-key", "tenant-b-key")
@@ -40,30 +40,17 @@ LONG_SYSTEM = SYSTEM_PROMPT + "\n\n" + MANUAL  # ~1,000 tokens: ~4 s cold here
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
-    log = open(tmp / "server.log", "w")  # noqa: SIM115 - closed below
     keys = tmp / "keys"
     keys.write_text(f"# tenant A\n{KEYS[0]}\n")
     keys.chmod(0o600)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "edgekv", "serve", "--port", "0", "--cache-dir", str(tmp),
-         "--api-key-file", str(keys)],
-        stdout=subprocess.PIPE, stderr=log, text=True, env=ENV)
-    try:
+
+    def not_in_ps(proc: subprocess.Popen[str]) -> None:
         cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
         assert not any(k.encode() in cmdline for k in KEYS)  # not in `ps`
-        line = proc.stdout.readline()  # type: ignore[union-attr]
-        assert "listening on" in line, (line, (tmp / "server.log").read_text()[-2000:])
-        url = line.split("listening on ")[1].split()[0]
-        deadline = time.monotonic() + 180
-        while httpx.get(f"{url}/health").status_code != 200:
-            assert proc.poll() is None, (tmp / "server.log").read_text()[-2000:]
-            assert time.monotonic() < deadline, "the model did not load within 180 s"
-            time.sleep(0.2)
+
+    with serve_process(["--port", "0", "--cache-dir", str(tmp), "--api-key-file", str(keys)],
+                       tmp / "server.log", ENV, check=not_in_ps) as url:
         yield url
-    finally:
-        stop_process(proc)
-        proc.stdout.close()  # type: ignore[union-attr]
-        log.close()
 
 
 @pytest.fixture
