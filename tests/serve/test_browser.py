@@ -203,6 +203,12 @@ def test_two_turns_show_the_cache_working(server, browser, shots):
                "warm_cached_tokens": cached, "warm_prompt_tokens": int(second["prompt"]),
                "hit_rate": [cold_rate, warm_rate]}
     print("\nbrowser timings: " + json.dumps(timings))
+    if os.environ.get("EDGEKV_BROWSER_TIMINGS"):  # docs/bench/ui-browser.json
+        from edgekv.bench.report import environment, write_json
+
+        write_json(os.environ["EDGEKV_BROWSER_TIMINGS"],
+                   {"bench": "ui-browser", "test": "tests/serve/test_browser.py",
+                    "environment": environment(), **timings})
     assert float(second["ttftMs"]) < float(first["ttftMs"])  # ~1,000 tokens not prefilled
 
 
