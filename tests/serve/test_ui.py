@@ -198,3 +198,17 @@ def test_the_stream_carries_what_the_page_reads(url):
             == usage["prompt_tokens"])
     assert info["tier"] is None and info["passages"] is None
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+
+
+def test_the_page_and_its_files_are_counted_under_their_own_endpoints(url):
+    httpx.get(url + "/")
+    httpx.get(url + "/ui/app.js")
+    httpx.get(url + "/no-such-route")
+    counted = {(s.labels["endpoint"], s.labels["status"]): s.value
+               for f in text_string_to_metric_families(httpx.get(url + "/metrics").text)
+               if f.name == "edgekv_requests" for s in f.samples
+               if s.name == "edgekv_requests_total"}
+    assert counted[("/", "200")] == 1 and counted[("/ui", "200")] == 1
+    assert counted[("other", "404")] == 1
+    r = httpx.get(url + "/no-such-route")
+    assert "the page at /" in r.json()["error"]["message"]

@@ -64,7 +64,8 @@ async def http_error_response(request: Request, e: HTTPException) -> JSONRespons
     """Starlette's own refusals (no such route, wrong method) as OpenAI error objects."""
     if e.status_code == 404:
         msg = (f"no route {request.method} {request.url.path}; the API is under /v1 "
-               "(POST /v1/chat/completions, POST /v1/completions, GET /v1/models)")
+               "(POST /v1/chat/completions, POST /v1/completions, GET /v1/models), the page "
+               "at / (unless --no-ui)")
         code: str | None = "not_found"
     elif e.status_code == 405:
         msg, code = f"{request.method} is not allowed on {request.url.path}", "method_not_allowed"

@@ -48,7 +48,8 @@ TIERS = ("exact", "partial", "miss")  # the semantic router's (semantic.router.T
 # vLLM's buckets (vllm/engine/metrics.py), so histograms compare bucket for bucket
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/edgekv/stats",
+             "/health", "/metrics", "/")
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
@@ -266,7 +267,8 @@ class CountResponses:
             return
         path = scope.get("path", "")
         endpoint = path if path in ENDPOINTS else (  # unknown paths share one label
-            "/v1/models" if path.startswith("/v1/models/") else "other")
+            "/v1/models" if path.startswith("/v1/models/") else
+            "/ui" if path.startswith("/ui/") else "other")
 
         async def counting(message: Any) -> None:
             if message["type"] == "http.response.start":
