@@ -133,7 +133,8 @@ def speculative_loop(adapter: KVAdapter, logits: np.ndarray, max_tokens: int, *,
     check_sampling(adapter, max_tokens, top_p)
     rng = np.random.default_rng(seed)
     base = adapter.n_tokens  # the prompt: held before the first token
-    drafter = NGramDrafter(adapter.token_ids, speculation.config)
+    prompt = list(adapter.token_ids)
+    drafter: NGramDrafter | None = None  # indexed at the first step that asks for drafts
     policy = speculation.policy()
     costs = speculation.costs
     assert costs is not None
@@ -175,10 +176,15 @@ def speculative_loop(adapter: KVAdapter, logits: np.ndarray, max_tokens: int, *,
             adapter.truncate(want)
         if done or not tokens:
             break
-        drafter.extend(tokens[fed:])
-        fed = len(tokens)
         room = max_tokens - len(tokens) - 1
-        drafts = drafter.propose(policy.length(room) if room > 0 else 0)
+        k = policy.length(room) if room > 0 else 0
+        drafts = []
+        if k:  # no index built (nor kept up) for an answer that never drafts
+            if drafter is None:
+                drafter, fed = NGramDrafter(prompt, speculation.config), 0
+            drafter.extend(tokens[fed:])
+            fed = len(tokens)
+            drafts = drafter.propose(k)
         t0 = time.perf_counter()
         if drafts:
             step_logits = adapter.verify([tokens[-1], *drafts])
