@@ -136,7 +136,8 @@ class _Server:
                                     store_stats=self._store_stats,
                                     prefetch_stats=self._prefetch_stats,
                                     kv_server_stats=self._kv_server_stats,
-                                    parallel_stats=self._parallel_stats)
+                                    parallel_stats=self._parallel_stats,
+                                    spec_stats=self._spec_stats)
         self.created = int(time.time())
         if isinstance(kv, EdgeKV):
             self._serve(kv)
@@ -207,6 +208,14 @@ class _Server:
         kv = self.served.kv
         return {**self.slots.stats(), "prefix_waits": float(kv.inflight_waits),
                 "prefix_wait_seconds": kv.inflight_wait_s}
+
+    def _spec_stats(self) -> dict[str, float] | None:
+        spec = None if self.served is None else self.served.kv.speculation
+        if spec is None:
+            return None
+        s = spec.stats()
+        return {"drafted_tokens": s["drafted"], "accepted_tokens": s["accepted"],
+                "acceptance_rate": s["acceptance_rate"]}
 
     def _kv_server_stats(self) -> dict[str, float] | None:
         fill = None if self.served is None else self.served.kv.fill

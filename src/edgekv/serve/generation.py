@@ -271,8 +271,7 @@ class ServedModel:
                         e2e_s=done - job.arrived, refused_injection=bool(r.rejections),
                         streamed_tokens=r.streamed_tokens, computed_tokens=r.computed_tokens,
                         tier=r.tier, approximate=r.approximate,
-                        passage_reused_tokens=r.passages.reused_tokens if r.passages else 0,
-                        drafted_tokens=r.drafted_tokens, accepted_tokens=r.accepted_tokens)
+                        passage_reused_tokens=r.passages.reused_tokens if r.passages else 0)
         reason = "tool_calls" if calls else "stop" if text.stopped else r.finish_reason
         job.emit(Finished(text="" if calls else text.text, finish_reason=reason,
                           prompt_tokens=r.prompt_tokens, completion_tokens=len(r.tokens),

@@ -61,7 +61,8 @@ class ServeMetrics:
                  store_stats: Callable[[], Sequence[StoreStats]],
                  prefetch_stats: Callable[[], Mapping[str, float] | None] = lambda: None,
                  kv_server_stats: Callable[[], Mapping[str, float] | None] = lambda: None,
-                 parallel_stats: Callable[[], Mapping[str, float] | None] = lambda: None
+                 parallel_stats: Callable[[], Mapping[str, float] | None] = lambda: None,
+                 spec_stats: Callable[[], Mapping[str, float] | None] = lambda: None
                  ) -> None:
         r = self.registry = CollectorRegistry()
         self.prefix_queries = Counter(
@@ -102,26 +103,13 @@ class ServeMetrics:
         self.approximate = Counter("edgekv_approximate_requests", "Answers labelled "
                                    "approximate (reused KV differs from a cold run's)",
                                    registry=r)
-        self.drafted = Counter("edgekv_spec_drafted_tokens", "Speculative decoding: drafted "
-                               "tokens verified in a batch", registry=r)
-        self.accepted = Counter("edgekv_spec_accepted_tokens", "Speculative decoding: drafted "
-                                "tokens the answers took (output unchanged: each a decode step "
-                                "saved)", registry=r)
-        Gauge("edgekv_spec_acceptance_rate", "accepted / drafted tokens since start (0 before "
-              "any draft)", registry=r).set_function(self.acceptance_rate)
-        self._drafts = [0, 0]  # drafted, accepted: the gauge's own count (under _lock)
         self._refused = 0  # requests during which an injection was refused
         self._lock = threading.Lock()
         r.register(_StoreCollector(store_stats, self.refused))
         r.register(_prefetch_collector(prefetch_stats))
         r.register(_kv_server_collector(kv_server_stats))
         r.register(_parallel_collector(parallel_stats))
-
-    def acceptance_rate(self) -> float:
-        """Accepted over drafted tokens since start; 0 before any draft."""
-        with self._lock:
-            drafted, accepted = self._drafts
-        return accepted / drafted if drafted else 0.0
+        r.register(_spec_collector(spec_stats))
 
     def routing(self) -> None:
         """A semantic router is on: every tier is shown from the start (as 0)."""
@@ -131,14 +119,8 @@ class ServeMetrics:
     def observe(self, *, prompt_tokens: int, cached_tokens: int, completion_tokens: int,
                 ttft_s: float, e2e_s: float, refused_injection: bool,
                 streamed_tokens: int = 0, computed_tokens: int = 0, tier: str | None = None,
-                approximate: bool = False, passage_reused_tokens: int = 0,
-                drafted_tokens: int = 0, accepted_tokens: int = 0) -> None:
+                approximate: bool = False, passage_reused_tokens: int = 0) -> None:
         """Record one finished generation."""
-        self.drafted.inc(drafted_tokens)
-        self.accepted.inc(accepted_tokens)
-        with self._lock:
-            self._drafts[0] += drafted_tokens
-            self._drafts[1] += accepted_tokens
         if tier is not None:
             self.tiers.labels(tier).inc()
         self.streamed_tokens.inc(streamed_tokens)
@@ -252,6 +234,15 @@ def _parallel_collector(stats: Callable[[], Mapping[str, float] | None]) -> _Sta
         {"slots": "Requests that generate at once (1: one at a time; /health says why)",
          "requested": "Slots asked for with --parallel",
          "max_sequences": "The most sequences one batched step held"})
+
+
+def _spec_collector(stats: Callable[[], Mapping[str, float] | None]) -> _StatsCollector:
+    """Speculative decoding (`engines.spec.Speculation.stats`), where it runs."""
+    return _StatsCollector(stats, "edgekv_spec_", {
+        "drafted_tokens": "Drafted tokens verified in a batch",
+        "accepted_tokens": "Drafted tokens the answers took (output unchanged: each a decode "
+                           "step saved)"},
+        {"acceptance_rate": "accepted / drafted tokens since start (0 before any draft)"})
 
 
 class CountResponses:
