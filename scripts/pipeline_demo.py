@@ -41,8 +41,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from serve_demo import launch, stop, wait_healthy  # noqa: E402
 
-from edgekv.markdown import table  # noqa: E402
-from edgekv.texts import MANUAL, QUESTIONS, SYSTEM_PROMPT  # noqa: E402
+from edgekv_bench.markdown import table  # noqa: E402
+from edgekv_bench.texts import MANUAL, QUESTIONS, SYSTEM_PROMPT  # noqa: E402
 
 FAST, SLOW = "100,10", "2,80"  # Mbit/s, RTT ms (in-process shaping: `--kv-link`)
 ENV = {"EDGEKV_REUSE_GRANULARITY": "chunk"}

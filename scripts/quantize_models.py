@@ -22,9 +22,9 @@ def main() -> int:
                     default=Path("build/llama-server/bin/llama-quantize"))
     ap.add_argument("--cache-dir", type=Path, help="default: $EDGEKV_CACHE_DIR or ~/.cache/edgekv")
     args = ap.parse_args()
-    from edgekv.bench.kernels import ensure_quantized
     from edgekv.config import default_cache_dir
     from edgekv.engines.models import resolve_model
+    from edgekv_bench.kernels import ensure_quantized
 
     cache = args.cache_dir or default_cache_dir()
     for qtype, path in ensure_quantized(cache, args.llama_quantize,

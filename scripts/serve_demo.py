@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT / "src"))  # run from a checkout without installing
 
 from edgekv.config import default_cache_dir  # noqa: E402
 from edgekv.serve.runner import stop_process  # noqa: E402
-from edgekv.texts import MANUAL, QUESTIONS, SYSTEM_PROMPT  # noqa: E402
+from edgekv_bench.texts import MANUAL, QUESTIONS, SYSTEM_PROMPT  # noqa: E402
 
 
 def start(cache_dir: Path, model: str | None) -> tuple[subprocess.Popen[str], str]:

@@ -8,15 +8,22 @@ figure is `{"count": N, "list": [...]}`):
 - `import_cycles`: the strongly connected components (more than one module, or a module that
   imports itself) of the import graph of `src/edgekv`. Every import counts: module level,
   inside functions, under `if TYPE_CHECKING:`. Relative imports are resolved; a package's
-  `__init__` is a module of its own (`edgekv.bench` is `src/edgekv/bench/__init__.py`). An
+  `__init__` is a module of its own (`edgekv.serve` is `src/edgekv/serve/__init__.py`). An
   edge goes to the module that is named: `from .x import y` is an edge to `.x.y` where that is
   a module, else to `.x`; the parent packages that Python also initialises are not edges
   (every submodule would otherwise be in a cycle with a package that re-exports it). Each
   component is listed with its modules and one cycle through them.
-- `harness_import_cycles`: the same, among the modules of `harness/edgekv_harness`.
+- `harness_import_cycles`: the same, among the modules of `bench/edgekv_harness`
+  (`lab_import_cycles`: of `bench/edgekv_bench`).
 - `wheel_lines`: lines of the `.py` files under `src/edgekv` (what the wheel ships).
-- `harness_lines`: lines of the `.py` files under `harness/` (test and reliability
-  harnesses, not shipped).
+- `harness_lines`: lines of the `.py` files of `edgekv_harness` (test and reliability
+  harnesses, not shipped; `bench/edgekv_harness`, before the lab had its own distribution
+  `harness/edgekv_harness`).
+- `lab_lines`: lines of what is not the product: `bench/` (the lab's distribution), `harness/`
+  and `scripts/`, and the lab's modules still inside `src/edgekv` (`lab_lines_in_wheel`: the
+  bench package, baseline, markdown, texts, demo; 0 once the lab moved out).
+- `import_floors`: floors of the package's import graph (`import_floor_chain`: one longest
+  chain, top down); `longest_functions`, `functions_over_60_lines`: by `end_lineno - lineno`.
 - `generate_lines`: the length of `EdgeKV.generate` in `src/edgekv/cache.py`
   (`end_lineno - lineno + 1`, decorators excluded).
 - `getattr_capability_probes`: `getattr(...)`/`hasattr(...)` calls in `src/edgekv` that
@@ -169,14 +176,71 @@ def _lines(files: Iterable[Path]) -> int:
     return sum(len(f.read_text().splitlines()) for f in files)
 
 
-def _generate_lines(cache_py: Path) -> int | None:
-    for node in ast.walk(ast.parse(cache_py.read_text())):
-        if isinstance(node, ast.ClassDef) and node.name == "EdgeKV":
-            for item in node.body:
-                if isinstance(item, ast.FunctionDef) and item.name == "generate":
-                    assert item.end_lineno is not None
-                    return item.end_lineno - item.lineno + 1
+def _generate_lines(package: Path) -> int | None:
+    """The length of `EdgeKV.generate`, wherever in the package the class lives."""
+    for f in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ClassDef) and node.name == "EdgeKV":
+                for item in node.body:
+                    if isinstance(item, ast.FunctionDef) and item.name == "generate":
+                        assert item.end_lineno is not None
+                        return item.end_lineno - item.lineno + 1
     return None
+
+
+def functions(src: Path, package: str) -> list[tuple[int, str]]:
+    """(lines, `file:line: qualified name`) of every function and method of the package,
+    longest first (`end_lineno - lineno + 1`, decorators excluded)."""
+    out: list[tuple[int, str]] = []
+    for f in sorted((src / package).rglob("*.py")):
+        rel = f.relative_to(src.parent).as_posix()
+
+        def visit(node: ast.AST, prefix: str, rel: str = rel) -> None:
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    assert child.end_lineno is not None
+                    out.append((child.end_lineno - child.lineno + 1,
+                                f"{rel}:{child.lineno}: {prefix}{child.name}"))
+                    visit(child, f"{prefix}{child.name}.")
+                elif isinstance(child, ast.ClassDef):
+                    visit(child, f"{prefix}{child.name}.")
+
+        visit(ast.parse(f.read_text(), str(f)), "")
+    return sorted(out, key=lambda x: (-x[0], x[1]))
+
+
+def import_floors(src: Path, package: str) -> dict[str, Any]:
+    """The floors of the import graph: a module that imports none of the package's is on floor
+    1, any other one floor above the highest it imports. Every import counts (as for cycles);
+    the package's own `__init__`, which re-exports the API, is left out (it sits on top).
+    Returns the number of floors and one longest chain, top down."""
+    graph = import_graph(modules(src, package))
+    graph.pop(package, None)
+    for deps in graph.values():
+        deps.discard(package)
+    floor: dict[str, int] = {}
+    below: dict[str, str | None] = {}
+
+    def height(m: str, seen: tuple[str, ...] = ()) -> int:
+        if m not in floor:
+            if m in seen:  # a cycle: not a DAG, counted as one floor more (import_cycles says)
+                return 0
+            best, via = 0, None
+            for d in sorted(graph[m]):
+                h = height(d, (*seen, m))
+                if h > best:
+                    best, via = h, d
+            floor[m], below[m] = best + 1, via
+        return floor[m]
+
+    for m in sorted(graph):
+        height(m)
+    top = max(sorted(floor), key=lambda m: floor[m]) if floor else None
+    chain: list[str] = []
+    while top is not None:
+        chain.append(top)
+        top = below[top]
+    return {"floors": max(floor.values(), default=0), "chain": chain}
 
 
 def _is_probe_target(text: str) -> bool:
@@ -227,16 +291,43 @@ def _by_place(items: list[str]) -> list[str]:
     return sorted(items, key=key)
 
 
+# what is not the product: the lab (its own distribution under bench/; before it had one, the
+# harness/ folder and the bench package inside the wheel) and the scripts
+LAB_IN_WHEEL = ("bench", "baseline.py", "markdown.py", "texts.py", "demo.py")
+
+
+def _lab_files(root: Path) -> list[Path]:
+    out = [f for d in ("bench", "harness", "scripts") if (root / d).is_dir()
+           for f in (root / d).rglob("*.py")]
+    pkg = root / "src" / "edgekv"
+    for name in LAB_IN_WHEEL:
+        out += sorted((pkg / name).rglob("*.py")) if (pkg / name).is_dir() else \
+            [pkg / name] if (pkg / name).is_file() else []
+    return out
+
+
 def measure(root: Path = ROOT) -> dict[str, Any]:
     src = root / "src"
-    harness = root / "harness"
+    harness = next((d for d in (root / "bench", root / "harness")
+                    if (d / "edgekv_harness").is_dir()), root / "harness")
+    lab_pkg = root / "bench" / "edgekv_bench"
+    funcs = functions(src, "edgekv")
+    floors = import_floors(src, "edgekv")
     return {
         "import_cycles": _counted(import_cycles(src, "edgekv")),
         "harness_import_cycles": _counted(
             import_cycles(harness, "edgekv_harness") if harness.is_dir() else []),
+        "lab_import_cycles": _counted(
+            import_cycles(root / "bench", "edgekv_bench") if lab_pkg.is_dir() else []),
         "wheel_lines": _lines((src / "edgekv").rglob("*.py")),
-        "harness_lines": _lines(harness.rglob("*.py")) if harness.is_dir() else 0,
-        "generate_lines": _generate_lines(src / "edgekv" / "cache.py"),
+        "harness_lines": _lines((harness / "edgekv_harness").rglob("*.py")),
+        "lab_lines": _lines(_lab_files(root)),
+        "lab_lines_in_wheel": _lines(f for f in _lab_files(root) if src in f.parents),
+        "import_floors": floors["floors"],
+        "import_floor_chain": floors["chain"],
+        "generate_lines": _generate_lines(src / "edgekv"),
+        "longest_functions": [f"{n} lines: {where}" for n, where in funcs[:10]],
+        "functions_over_60_lines": _counted([where for n, where in funcs if n > 60]),
         "getattr_capability_probes": _counted(_by_place(capability_probes(src, "edgekv"))),
         "private_cross_module": _counted(_by_place(private_accesses(src, "edgekv"))),
     }
@@ -256,8 +347,12 @@ def main(argv: list[str] | None = None) -> int:
     for c in cyc["list"]:
         print("  " + " -> ".join(c["cycle"]) + f"  ({len(c['modules'])} modules)")
     print(f"harness import cycles: {res['harness_import_cycles']['count']}")
-    print(f"wheel lines: {res['wheel_lines']}; harness lines: {res['harness_lines']}; "
+    print(f"wheel lines: {res['wheel_lines']} (of them the lab's: {res['lab_lines_in_wheel']}); "
+          f"lab lines: {res['lab_lines']}; harness lines: {res['harness_lines']}; "
           f"EdgeKV.generate: {res['generate_lines']} lines")
+    print(f"import floors: {res['import_floors']} ({' -> '.join(res['import_floor_chain'])})")
+    print(f"functions over 60 lines: {res['functions_over_60_lines']['count']}; longest: "
+          + "; ".join(res["longest_functions"][:3]))
     print(f"getattr/hasattr capability probes: {res['getattr_capability_probes']['count']}; "
           f"private accesses through another object: {res['private_cross_module']['count']}")
     return 0

@@ -62,8 +62,8 @@ def main() -> int:
     ap.add_argument("--json", help="write the result here")
     args = ap.parse_args()
 
-    from edgekv.bench.report import environment
     from edgekv.engines.llamacpp import LlamaCppAdapter
+    from edgekv_bench.report import environment
 
     def load() -> tuple[LlamaCppAdapter, list[int]]:
         a = LlamaCppAdapter(args.model, n_ctx=1024, n_threads=args.threads)

@@ -13,10 +13,10 @@ import argparse
 import platform
 import time
 
-from edgekv.bench.report import environment, write_json
 from edgekv.engines.llamacpp import LlamaCppAdapter
 from edgekv.engines.models import default_model_path, resolve_model
 from edgekv.engines.probe import probe_tokens
+from edgekv_bench.report import environment, write_json
 
 
 def main() -> None:

@@ -34,7 +34,7 @@ def measure(model: str) -> dict[str, object]:
         a = LlamaCppAdapter(model, n_ctx=2048)
         kv = EdgeKV(a, open_store(cfg), cfg)
         try:
-            text = (ROOT / "src/edgekv/texts.py").read_text()
+            text = (ROOT / "bench/edgekv_bench/texts.py").read_text()
             prompt = a.tokenize(text)[: max(PREFIXES) + 64]
             kv.generate(prompt, max_tokens=1)
             kv.store.clear_tier("ram")  # type: ignore[attr-defined]

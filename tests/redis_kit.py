@@ -1,4 +1,4 @@
-"""Fixtures' half of `edgekv_harness.redis_servers` (harness/): a missing redis-server skips
+"""Fixtures' half of `edgekv_harness.redis_servers` (bench/): a missing redis-server skips
 the test, or fails it under `make test` (EDGEKV_REQUIRE_REAL=1)."""
 
 from __future__ import annotations

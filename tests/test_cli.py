@@ -41,7 +41,7 @@ def test_bad_workload_line_names_file_and_line(tmp_path, capsys):
 
 
 def test_bench_lists_every_benchmark(capsys):
-    from edgekv.cli import BENCHES, HARNESS_BENCHES
+    from edgekv_bench.cli import BENCHES, HARNESS_BENCHES
 
     with pytest.raises(SystemExit) as e:
         main(["bench", "--help"])
@@ -66,9 +66,14 @@ def test_an_option_of_another_bench_is_an_argparse_error(argv, capsys):
 
 
 def test_bench_options_keep_their_names_and_defaults():
-    from edgekv.cli import build_parser
+    from edgekv_bench.cli import bench_parser
 
-    p = build_parser()
+    class Parser:  # `edgekv bench NAME ...` as the lab's plugin receives it
+        def parse_args(self, argv):
+            assert argv[0] == "bench"
+            return bench_parser().parse_args(argv[1:])
+
+    p = Parser()
     a = p.parse_args(["bench", "serve", "--servers", "edgekv", "--requests", "24",
                       "--threads", "1"])
     # --n-ctx unset: 2048 one request at a time, enough for every sequence with --concurrency
@@ -89,16 +94,33 @@ def test_bench_options_keep_their_names_and_defaults():
         (5, 512, "300,517,777,1000", 16, None)
 
 
-def test_harness_benches_outside_a_checkout_say_so(monkeypatch, capsys):
-    """An installed wheel has no harness/: `bench faults` keeps its name and says why not."""
-    import importlib.util
+def test_lab_commands_without_the_lab_say_so(monkeypatch, capsys):
+    """The product installed alone (no `pip install -e bench`): `edgekv bench` and `edgekv demo`
+    keep their names, and running one says how to get the lab, exit 2, no traceback."""
+    from edgekv import cli
 
-    from edgekv.bench import checkout
-
-    real = importlib.util.find_spec
-    monkeypatch.setattr(checkout, "harness_dir", lambda: None)
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == checkout.HARNESS else real(name, *a))
-    for argv in (["bench", "faults", "--targets", "kill9"], ["bench", "fuzz", "--help"]):
+    monkeypatch.setattr(cli, "_plugins", lambda: {})
+    for argv in (["bench", "faults", "--targets", "kill9"], ["bench", "fuzz", "--help"],
+                 ["demo"]):
         assert main(argv) == 2
-        assert "only in a source checkout" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert "the lab is not installed" in err and "pip install -e bench" in err, err
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "    bench " in out and "    demo " in out
+
+
+def test_help_imports_no_lab_module():
+    """`edgekv --help` lists the lab's commands by their entry points, importing none of them
+    a help screen does not load the benchmarks."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom edgekv.cli import main\ntry:\n    main(['--help'])\n"
+            "except SystemExit:\n    pass\n"
+            "print('LOADED', sorted(m for m in sys.modules if m.startswith(('edgekv_bench', "
+            "'edgekv_harness'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert "bench" in out and "LOADED []" in out, out.splitlines()[-1]

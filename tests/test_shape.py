@@ -4,6 +4,7 @@ cycle finder is checked on a small synthetic package first, so that this test ca
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import sys
@@ -60,7 +61,11 @@ def test_no_import_cycles_in_the_package():
 
 
 def test_no_import_cycles_in_the_harness():
-    assert shape.import_cycles(ROOT / "harness", "edgekv_harness") == []
+    assert shape.import_cycles(ROOT / "bench", "edgekv_harness") == []
+
+
+def test_no_import_cycles_in_the_lab():
+    assert shape.import_cycles(ROOT / "bench", "edgekv_bench") == []
 
 
 def test_the_wheel_holds_no_harness():
@@ -68,7 +73,24 @@ def test_the_wheel_holds_no_harness():
     for name in ("faults", "faults_kit", "faults_local", "faults_load", "faults_redis", "fuzz",
                  "redis_servers"):
         assert not (bench / f"{name}.py").exists(), name
-        assert (ROOT / "harness" / "edgekv_harness" / f"{name}.py").is_file(), name
+        assert (ROOT / "bench" / "edgekv_harness" / f"{name}.py").is_file(), name
+
+
+def test_the_wheel_holds_no_lab():
+    """The benchmarks, baselines, texts, demo and the kernel's netem tooling are the lab's
+    distribution (bench/), and no product module imports it."""
+    pkg = ROOT / "src" / "edgekv"
+    assert not (pkg / "bench").exists()
+    for name in ("baseline", "markdown", "texts", "demo", "stream/netem"):
+        assert not (pkg / f"{name}.py").exists(), name
+    for name in ("baseline", "markdown", "texts", "demo", "netem", "reuse", "serve", "cli"):
+        assert (ROOT / "bench" / "edgekv_bench" / f"{name}.py").is_file(), name
+    for f in pkg.rglob("*.py"):
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not any(n.split(".")[0] in ("edgekv_bench", "edgekv_harness")
+                           for n in names), f"{f}:{node.lineno} imports the lab"
 
 
 def test_shape_json(tmp_path):

@@ -267,46 +267,27 @@ def cmd_cache(args: argparse.Namespace) -> int:
     return 0
 
 
-# `edgekv bench <name>`: each module registers its own options, runner and report
-# (`add_parser`, bench/options.py); faults and fuzz are harnesses a source checkout keeps beside
-# the package (harness/edgekv_harness), not shipped in the wheel
-BENCHES = ("reuse", "lookup", "seed", "stream", "engines", "codec", "serve", "rag", "kernels",
-           "pressure", "spec")
-HARNESS_BENCHES = ("faults", "fuzz")
+# Commands of other distributions: the lab (`bench/`, package edgekv_bench) registers `bench`
+# and `demo` as entry points of this group. Their names are listed without importing them, so
+# `edgekv --help` loads no benchmark; a plugin's module is imported only when it is run.
+PLUGIN_GROUP = "edgekv.commands"
+LAB_COMMANDS = {"bench": "benchmarks and harnesses (write JSON): `edgekv bench NAME --help`",
+                "demo": "cold vs warm on real prompts (what `make run` shows)"}
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    res, text = args.bench_run(args)
-    print(text)
-    print(args.bench_report(args.bench, res, text, args.json))
-    if res.get("failed_rows"):  # e.g. a fault row whose harness crashed: not a pass
-        print(f"edgekv bench {args.bench}: {len(res['failed_rows'])} row(s) failed: "
-              f"{', '.join(map(str, res['failed_rows']))}", file=sys.stderr)
-        return 1
-    return 0
+def _plugins() -> dict[str, Any]:
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep for ep in entry_points(group=PLUGIN_GROUP)}
 
 
-def _bench_parsers(b: argparse.ArgumentParser) -> None:
-    """One subcommand per benchmark, each with its own options."""
-    import importlib
-
-    from .bench.checkout import harness_module
-
-    bsub = b.add_subparsers(dest="bench", required=True, metavar="NAME")
-    for name in BENCHES:
-        importlib.import_module(f".bench.{name}", __package__).add_parser(bsub)
-    for name in HARNESS_BENCHES:
-        try:
-            harness_module(name, f"`edgekv bench {name}`").add_parser(bsub)
-        except EdgeKVError as e:  # an installed wheel: the name stays, and says why it fails
-            def unavailable(args: argparse.Namespace, why: str = str(e)) -> tuple[Any, str]:
-                raise EdgeKVError(why)
-
-            # no option prefix: whatever follows (its options, --help) reaches the error
-            h = bsub.add_parser(name, help=f"(only in a source checkout) {e}",
-                                prefix_chars="+", add_help=False)
-            h.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
-            h.set_defaults(bench=name, bench_run=unavailable, json=None)
+def cmd_plugin(args: argparse.Namespace) -> int:
+    ep = _plugins().get(args.command)
+    if ep is None:
+        raise EdgeKVError(
+            f"`edgekv {args.command}` is the lab's, and the lab is not installed: from a source "
+            f"checkout, `pip install -e bench` (`make setup` does)")
+    return int(ep.load()(list(args.rest)))
 
 
 def cmd_kv_server(args: argparse.Namespace) -> int:
@@ -423,9 +404,11 @@ def cmd_probe(args: argparse.Namespace) -> int:
     data = {**res.to_json(), "prefill_tokens": args.prefill_tokens,
             "prefill_tok_s": round(speed, 1), "flash_attn": flash_attn}
     if args.json:
-        from .bench.report import write_json
-
-        write_json(args.json, data)
+        out = Path(args.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(out.suffix + ".tmp")  # a reader never sees half a file
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
+        os.replace(tmp, out)
     print(f"engine: {res.describe}")
     print(f"sensitivity (one early token changed): max |logit diff| = {res.sensitivity:.3g}")
     for name, diff, same_kv in res.results:
@@ -475,12 +458,6 @@ def _probe_finish(args: argparse.Namespace) -> int:
         lock.unlink(missing_ok=True)
     print(f"engine: {res.describe}\nreuse granularity {res.granularity}: {res.reason}")
     return 0
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
-
-    return run_demo(model=args.model, n_ctx=args.n_ctx, cache_dir=args.cache_dir)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -563,12 +540,6 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_cache)
 
-    b = sub.add_parser("bench", help="benchmarks (write JSON): `edgekv bench NAME --help`",
-                       description="Benchmarks; each writes its result as JSON (--json) and a "
-                       "Markdown page beside it. `edgekv bench NAME --help` lists its options.")
-    _bench_parsers(b)
-    b.set_defaults(func=cmd_bench)
-
     k = sub.add_parser("kv-server", help="serve precomputed KV chunks (SparKV server)")
     k.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     k.add_argument("--port", type=int, default=8470, help="0 picks a free port")
@@ -641,9 +612,15 @@ def build_parser() -> argparse.ArgumentParser:
     kv_server_opts(sv)
     sv.set_defaults(func=cmd_serve)
 
-    d = sub.add_parser("demo", help="cold vs warm on real prompts (what `make run` shows)")
-    engine_opts(d)
-    d.set_defaults(func=cmd_demo)
+    for name, ep in {**dict.fromkeys(LAB_COMMANDS), **_plugins()}.items():
+        if name in sub.choices:
+            continue  # a plugin never shadows a product command
+        where = f" (from {ep.dist.name})" if ep is not None and ep.dist is not None else ""
+        # no option prefix: everything after the name (its options, --help) is the plugin's
+        pl = sub.add_parser(name, help=LAB_COMMANDS.get(name, f"`edgekv {name} --help`") + where,
+                            prefix_chars="+", add_help=False)
+        pl.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
+        pl.set_defaults(func=cmd_plugin)
     return p
 
 

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from edgekv.bench.workload import (
+from edgekv.cli import main
+from edgekv.errors import ConfigError
+from edgekv_bench.workload import (
     CHAT_MAX_TOKENS,
     ChatHistory,
     Request,
@@ -17,8 +19,6 @@ from edgekv.bench.workload import (
     render,
     with_history,
 )
-from edgekv.cli import main
-from edgekv.errors import ConfigError
 
 
 def _by_conversation(reqs: list[Request]) -> dict[str, list[Request]]:
@@ -169,7 +169,7 @@ _TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
 
 
 def test_a_conversation_that_outgrows_the_context_restarts() -> None:
-    from edgekv.bench.seed import _prepare
+    from edgekv_bench.seed import _prepare
 
     conv = max(_by_conversation(chat_workload(200, seed=1)).values(), key=len)
     history = ChatHistory()
@@ -191,9 +191,9 @@ def test_a_conversation_that_outgrows_the_context_restarts() -> None:
 def test_fidelity_is_against_each_systems_own_reference() -> None:
     from types import SimpleNamespace
 
-    from edgekv.bench.modes import Outcome
-    from edgekv.bench.plots import seed_table
-    from edgekv.bench.seed import _summarise
+    from edgekv_bench.modes import Outcome
+    from edgekv_bench.plots import seed_table
+    from edgekv_bench.seed import _summarise
 
     def rows(*texts: str) -> list[tuple[Outcome, float, float]]:
         return [(Outcome(0.01, 0, 10, t, False, 100, total_s=0.05), 0.01, 0.1) for t in texts]
@@ -219,7 +219,7 @@ def test_fidelity_is_against_each_systems_own_reference() -> None:
 
 
 def test_rag_workload_passages_vary_in_order_and_come_from_the_pool() -> None:
-    from edgekv.bench.workload import RAG_INSTRUCTION, passages, rag_workload
+    from edgekv_bench.workload import RAG_INSTRUCTION, passages, rag_workload
 
     pool = {t for _, t in passages()}
     reqs = rag_workload(200, seed=5)
@@ -241,7 +241,7 @@ def test_rag_workload_passages_vary_in_order_and_come_from_the_pool() -> None:
 
 
 def test_header_workload_puts_a_dynamic_header_before_the_shared_prompt() -> None:
-    from edgekv.bench.workload import HEADER_USERS, header_workload, seed_workload
+    from edgekv_bench.workload import HEADER_USERS, header_workload, seed_workload
 
     base, reqs = seed_workload(90, seed=2), header_workload(90, seed=2, days=3)
     headers = set()

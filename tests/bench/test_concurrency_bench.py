@@ -15,9 +15,10 @@ from typing import Any
 
 import pytest
 
-from edgekv.bench import concurrency, serve
-from edgekv.bench.clients import Reply, agreement, percentile, run_level, summarize
-from edgekv.bench.concurrency import (
+from edgekv.errors import ConfigError
+from edgekv_bench import concurrency, serve
+from edgekv_bench.clients import Reply, agreement, percentile, run_level, summarize
+from edgekv_bench.concurrency import (
     SERVERS,
     Setup,
     _edgekv_env,
@@ -27,8 +28,7 @@ from edgekv.bench.concurrency import (
     ratios,
     tables,
 )
-from edgekv.bench.concurrent_workload import DOCS_INSTRUCTION, build_prompts, docs_messages
-from edgekv.errors import ConfigError
+from edgekv_bench.concurrent_workload import DOCS_INSTRUCTION, build_prompts, docs_messages
 
 
 def reply(text: str, ttft: float = 0.1, itl: tuple[float, ...] = (), tokens: int = 4,
@@ -389,9 +389,9 @@ def test_a_whole_run_on_a_stand_in_server_process(tmp_path, monkeypatch):
     log and /health, the rows and their agreement) on a stand-in for llama-server."""
     import sys
 
-    from edgekv.bench import concurrency as mod
-    from edgekv.bench.concurrent_workload import Prompt
     from edgekv.engines import models
+    from edgekv_bench import concurrency as mod
+    from edgekv_bench.concurrent_workload import Prompt
 
     binary = tmp_path / "llama-server"
     binary.write_text(f"#!{sys.executable}\n" + FAKE_LLAMA_SERVER)

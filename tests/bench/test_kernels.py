@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from edgekv.bench import kernels, kernels_worker
 from edgekv.engines.fake import FakeAdapter
 from edgekv.errors import EdgeKVError
+from edgekv_bench import kernels, kernels_worker
 
 
 def test_first_divergence_is_64_on_an_invariant_engine_and_earlier_on_a_variant_one():

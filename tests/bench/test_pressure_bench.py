@@ -3,8 +3,8 @@ accounting (the figures themselves come from `edgekv bench pressure`, never from
 
 from __future__ import annotations
 
-from edgekv.bench.pressure import POLICIES, Workload, pressure_table, run_pressure
 from edgekv.engines.fake import FakeAdapter
+from edgekv_bench.pressure import POLICIES, Workload, pressure_table, run_pressure
 
 KEYS = {"ratio", "policy", "reused_tokens", "hit_rate", "ttft_ms_mean", "ttft_ms_p95",
         "orphan_bytes_max"}
@@ -47,7 +47,7 @@ def test_the_clairvoyant_rank_puts_the_furthest_next_read_first():
     one never read again ranks lowest (goes first), the one read soonest highest."""
     from types import SimpleNamespace
 
-    from edgekv.bench.pressure import _next_read_rank
+    from edgekv_bench.pressure import _next_read_rank
 
     clock = [0]
     rank = _next_read_rank([["a"], ["a", "b"], ["c"], ["a", "b"]], clock)
@@ -67,8 +67,8 @@ def test_tiers_from_an_earlier_run_size_the_ram_tier(tmp_path):
 
     import pytest
 
-    from edgekv.bench.pressure import earlier_tiers
     from edgekv.errors import EdgeKVError
+    from edgekv_bench.pressure import earlier_tiers
 
     work = Workload.make(conversations=4, docs=2, turns=2, doc_tokens=128, question_tokens=16,
                          requests=8, max_tokens=4, vocab=(1, 250), seed=2)

@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from edgekv.bench.reuse import _resident_pages, drop_page_cache
 from edgekv.engines.models import default_model_path
+from edgekv_bench.reuse import _resident_pages, drop_page_cache
 
 from ..conftest import real_stack, skip_or_fail
 
 real_stack("real engine", "llama_cpp", check=default_model_path)
 
-from edgekv.bench.modes import PlainMode, StateSeqMode  # noqa: E402
-from edgekv.texts import MANUAL, SYSTEM_PROMPT  # noqa: E402
+from edgekv_bench.modes import PlainMode, StateSeqMode  # noqa: E402
+from edgekv_bench.texts import MANUAL, SYSTEM_PROMPT  # noqa: E402
 
 
 @pytest.mark.real

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from edgekv.bench.serve import SERVERS, Answer, Server, _summary, resolved_settings, server_command
+from edgekv_bench.serve import SERVERS, Answer, Server, _summary, resolved_settings, server_command
 
 # lines as the vendored tree's llama-server prints them at -lv 4
 LLAMA_SERVER_LOG = """\

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from edgekv.bench.spec import SPEC_SERVERS, Answer, _row, _speedups, loops, spec_table
-from edgekv.bench.spec_prompts import (
+from edgekv.errors import ConfigError
+from edgekv_bench.spec import SPEC_SERVERS, Answer, _row, _speedups, loops, spec_table
+from edgekv_bench.spec_prompts import (
     MAX_TOKENS,
     PROMPTS_PER_WORKLOAD,
     WORKLOADS,
     single_turn_prompts,
 )
-from edgekv.errors import ConfigError
 
 
 def test_a_looping_output_is_one_that_repeats_an_eight_word_run_three_times():
@@ -56,7 +56,7 @@ def test_rows_pool_decode_time_and_compare_with_the_same_servers_plain_run():
 
 
 def test_unknown_servers_and_workloads_are_refused(tmp_path):
-    from edgekv.bench.spec import run_spec_bench
+    from edgekv_bench.spec import run_spec_bench
 
     with pytest.raises(ConfigError, match="unknown workloads"):
         run_spec_bench(workdir=tmp_path, workloads=["poetry"])

@@ -25,7 +25,7 @@ from edgekv.engines.llamacpp import LlamaCppAdapter  # noqa: E402
 
 MODEL = default_model_path()
 pytestmark = pytest.mark.real
-MANUAL = (Path(__file__).parents[2] / "src/edgekv/texts.py").read_text()[:2500]
+MANUAL = (Path(__file__).parents[2] / "bench/edgekv_bench/texts.py").read_text()[:2500]
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,8 @@
 import json
 from pathlib import Path
 
-from edgekv.bench.engines import _agreement, first_divergence, reuse_verdict
 from edgekv.engines.layout import CROSS_ENGINE_REUSE
+from edgekv_bench.engines import _agreement, first_divergence, reuse_verdict
 
 FAMILY = {"llamacpp": "llama.cpp", "torch": "torch", "onnx": "onnxruntime"}
 RESULT = Path(__file__).resolve().parents[2] / "docs" / "bench" / "engines.json"

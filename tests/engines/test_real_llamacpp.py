@@ -24,7 +24,7 @@ from edgekv.engines.llamacpp import LlamaCppAdapter  # noqa: E402
 MODEL = default_model_path()
 
 pytestmark = pytest.mark.real
-CONTEXT = (Path(__file__).parents[2] / "src/edgekv/texts.py").read_text()
+CONTEXT = (Path(__file__).parents[2] / "bench/edgekv_bench/texts.py").read_text()
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 from edgekv import CacheConfig, EdgeKV, open_store
 from edgekv.engines.base import FragmentSpec
 from edgekv.engines.layout import can_inject, convert_fragment
-from edgekv.texts import MANUAL
+from edgekv_bench.texts import MANUAL
 
 from ..conftest import real_stack
 

@@ -20,7 +20,7 @@ from edgekv.engines.llamacpp import LlamaCppAdapter  # noqa: E402
 from edgekv.engines.probe import probe_tokens  # noqa: E402
 from edgekv.engines.probe_spec import SPEC_SCHEDULE, draft_verify_diff  # noqa: E402
 from edgekv.engines.spec import Speculation, StepCosts  # noqa: E402
-from edgekv.texts import MANUAL  # noqa: E402
+from edgekv_bench.texts import MANUAL  # noqa: E402
 
 pytestmark = pytest.mark.real
 PARAGRAPH = MANUAL.split("\n\n")[1]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from edgekv.bench.rag import (
+from edgekv_bench.rag import (
     _modes,
     _parse_budgets,
     _recommend,

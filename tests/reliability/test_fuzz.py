@@ -19,10 +19,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from edgekv import ChunkRejected, ConfigError, CorruptEntry, UnsupportedLayout
-from edgekv.bench.workload import load_jsonl
 from edgekv.engines.llamacpp_state import parse_seq_state
 from edgekv.serial import decode_fragment, encode_fragment, pack, unpack
 from edgekv.stream.codec import decode_chunk, encode_chunk
+from edgekv_bench.workload import load_jsonl
 from edgekv_harness import fuzz
 
 from ..conftest import make_fragment, require_real

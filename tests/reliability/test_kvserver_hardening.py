@@ -705,7 +705,7 @@ def test_real_server_cuts_slow_and_excess_clients_and_serves_good_ones(real_serv
     url, secret, log_path = real_server
     host, port = url.split("//")[1].rsplit(":", 1)
     addr = (host, int(port))
-    from edgekv.texts import MANUAL, SYSTEM_PROMPT
+    from edgekv_bench.texts import MANUAL, SYSTEM_PROMPT
 
     good = KVClient(url, secret, timeout_s=120)
     pin = "PIN 73914 is private"

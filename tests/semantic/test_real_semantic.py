@@ -8,7 +8,7 @@ import pytest
 from edgekv import CacheConfig, EdgeKV, open_router, open_store
 from edgekv.chat import render_chat
 from edgekv.semantic.embedder import minilm_dir
-from edgekv.texts import MANUAL, SYSTEM_PROMPT
+from edgekv_bench.texts import MANUAL, SYSTEM_PROMPT
 
 from ..conftest import real_stack
 

@@ -4,11 +4,11 @@ import numpy as np
 import pytest
 
 from edgekv import CacheConfig, EdgeKV, open_router, open_store
-from edgekv.baseline import StringCache
 from edgekv.compactor import merge_heads
 from edgekv.engines.fake import FakeAdapter
 from edgekv.prefetch import NgramPredictor, Prefetcher
 from edgekv.semantic import HashEmbedder
+from edgekv_bench.baseline import StringCache
 
 CONTEXT = ("System: you are the assistant of the Lumen hub. Manual: the hub connects lights, "
            "thermostats, door sensors and cameras; the ring light turns blue while it starts. ") * 2

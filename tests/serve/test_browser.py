@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from edgekv.engines.models import default_model_path
-from edgekv.texts import MANUAL, SYSTEM_PROMPT
+from edgekv_bench.texts import MANUAL, SYSTEM_PROMPT
 
 from ..conftest import real_stack
 
@@ -204,7 +204,7 @@ def test_two_turns_show_the_cache_working(server, browser, shots):
                "hit_rate": [cold_rate, warm_rate]}
     print("\nbrowser timings: " + json.dumps(timings))
     if os.environ.get("EDGEKV_BROWSER_TIMINGS"):  # docs/bench/ui-browser.json
-        from edgekv.bench.report import environment, write_json
+        from edgekv_bench.report import environment, write_json
 
         write_json(os.environ["EDGEKV_BROWSER_TIMINGS"],
                    {"bench": "ui-browser", "test": "tests/serve/test_browser.py",

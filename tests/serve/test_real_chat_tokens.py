@@ -15,7 +15,7 @@ import pytest
 
 from edgekv.chat import ChatTokenizer
 from edgekv.engines.models import default_model_path, gemma3_model_path
-from edgekv.texts import MANUAL, QUESTIONS, SYSTEM_PROMPT
+from edgekv_bench.texts import MANUAL, QUESTIONS, SYSTEM_PROMPT
 
 from ..conftest import real_stack, skip_or_fail
 

@@ -9,7 +9,7 @@ import pytest
 
 from edgekv import CacheConfig, EdgeKV, open_store
 from edgekv.engines.models import default_model_path
-from edgekv.texts import MANUAL, SYSTEM_PROMPT
+from edgekv_bench.texts import MANUAL, SYSTEM_PROMPT
 
 from ..conftest import real_stack
 

@@ -18,7 +18,7 @@ import pytest
 
 from edgekv.chat import ChatTokenizer
 from edgekv.engines.models import default_model_path
-from edgekv.texts import MANUAL, SYSTEM_PROMPT
+from edgekv_bench.texts import MANUAL, SYSTEM_PROMPT
 
 from ..conftest import real_stack
 

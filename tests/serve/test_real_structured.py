@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from edgekv.engines.models import default_model_path
-from edgekv.texts import MANUAL, SYSTEM_PROMPT
+from edgekv_bench.texts import MANUAL, SYSTEM_PROMPT
 
 from ..conftest import real_stack
 

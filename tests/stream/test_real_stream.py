@@ -16,8 +16,8 @@ from edgekv import CacheConfig, EdgeKV, open_store
 from edgekv.engines.models import default_model_path
 from edgekv.stream.client import KVClient
 from edgekv.stream.costmodel import CostModel
-from edgekv.stream.netem import Shaper
-from edgekv.texts import MANUAL, SYSTEM_PROMPT
+from edgekv.stream.shaper import Shaper
+from edgekv_bench.texts import MANUAL, SYSTEM_PROMPT
 from tests.stream.loaderkit import Device
 
 from .. import redis_kit
@@ -188,7 +188,7 @@ def test_two_servers_share_one_redis(adapter, tmp_path, redis_url, prompt, cold)
 def test_tc_netem_link_to_a_server_in_a_namespace(adapter, tmp_path, prompt, cold):
     """The real thing where the kernel allows: the server runs in a network namespace behind a
     veth pair shaped by `tc netem` (40 ms RTT, 200 Mbit/s); the device streams across it."""
-    from edgekv.stream.netem import NetnsLink, netns_available
+    from edgekv_bench.netem import NetnsLink, netns_available
 
     why = netns_available()
     if why is not None:

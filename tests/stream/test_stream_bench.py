@@ -1,7 +1,7 @@
 """`bench stream` pieces that need no engine: spreads, link variants, the variant point."""
 
-from edgekv.bench.stream import Link, _links, crossover_mbps, spread
 from edgekv.stream.costmodel import CostModel
+from edgekv_bench.stream import Link, _links, crossover_mbps, spread
 
 
 def test_spread_reports_centre_and_spread_of_every_run():

@@ -14,9 +14,9 @@ from edgekv.keys import store_key
 from edgekv.stream.client import KVClient
 from edgekv.stream.codec import SessionCipher, decode_chunk, encode_chunk, quantize_error
 from edgekv.stream.costmodel import CostModel
-from edgekv.stream.netem import Shaper
 from edgekv.stream.planner import plan, simulate
 from edgekv.stream.server import KVServer
+from edgekv.stream.shaper import Shaper
 from tests.stream.loaderkit import Device
 
 from .streamkit import SilentServer, TamperProxy

@@ -27,7 +27,6 @@ from ..config import config_default
 from ..errors import StreamTimeout, TransportError
 from ..fragment import KVFragment
 from .codec import SessionCipher, decode_chunk, derive_session_keys
-from .netem import Shaper
 from .protocol import (
     accept_proof,
     auth_header,
@@ -36,6 +35,7 @@ from .protocol import (
     read_frames,
     request_mac,
 )
+from .shaper import Shaper
 
 __all__ = ["BackgroundStream", "KVClient", "Received"]
 

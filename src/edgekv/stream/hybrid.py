@@ -136,7 +136,7 @@ class HybridLoader:
         """A loader for the `edgekv kv-server` at `url` (`secret`: its secret file's, or the
         tenant's where the server has tenants). `link` = (Mbit/s, RTT ms): shape the link in
         this process (`netem.Shaper`), to measure a slower network over loopback."""
-        from .netem import Shaper
+        from .shaper import Shaper
 
         kw: dict[str, object] = {} if timeout_s is None else {"timeout_s": timeout_s}
         shaper = None if link is None else Shaper(bandwidth_mbps=link[0], rtt_ms=link[1])

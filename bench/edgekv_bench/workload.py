@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..errors import ConfigError
+from edgekv.errors import ConfigError
 
 __all__ = ["CHAT_MAX_TOKENS", "WORKLOADS", "ChatHistory", "Request", "chat_workload",
            "header_workload", "load_jsonl", "load_workload", "parse_workload", "passages",

@@ -6,7 +6,7 @@ and every intent is worded 4 different ways, as different users would ask the sa
 
 All texts were written for this project; no dataset is fetched. Products, companies and the
 medicine described here are fictional. The texts are data, not code: they live in
-`edgekv/data/corpus.json` (a list of {"name", "system", "intents": [[4 wordings], ...]}),
+`edgekv_bench/data/corpus.json` (a list of {"name", "system", "intents": [[4 wordings], ...]}),
 read once at import through `importlib.resources`, so they ship inside the package.
 """
 
@@ -30,7 +30,7 @@ class Cluster:
 
 def load_clusters(resource: str = "data/corpus.json") -> tuple[Cluster, ...]:
     """The clusters stored in the package resource `resource`, checked for shape."""
-    text = resources.files("edgekv").joinpath(resource).read_text(encoding="utf-8")
+    text = resources.files("edgekv_bench").joinpath(resource).read_text(encoding="utf-8")
     out = []
     for c in json.loads(text):
         intents = tuple(tuple(str(w) for w in i) for i in c["intents"])

@@ -6,8 +6,9 @@ import shutil
 import sys
 from pathlib import Path
 
-from .chat import ChatTokenizer
-from .config import CacheConfig, default_cache_dir
+from edgekv.chat import ChatTokenizer
+from edgekv.config import CacheConfig, default_cache_dir
+
 from .markdown import table
 from .texts import MANUAL, QUESTIONS, SYSTEM_PROMPT
 
@@ -16,7 +17,7 @@ __all__ = ["run_demo"]
 
 def run_demo(*, model: str | None = None, n_ctx: int = 2048, cache_dir: str | None = None,
              questions: int = 3, max_tokens: int = 32) -> int:
-    from . import open_llamacpp
+    from edgekv import open_llamacpp
 
     root = Path(cache_dir) if cache_dir else default_cache_dir()
     demo_dir = root / "demo"  # the demo's own store, emptied so the first request is cold

@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..texts import MANUAL, QUESTIONS
 from .options import Subparsers, bench_parser, progress
 from .report import environment, table
+from .texts import MANUAL, QUESTIONS
 
 __all__ = ["add_parser", "lookup_table", "run_cli", "run_lookup_bench"]
 
@@ -34,9 +34,9 @@ UNRELATED = (
 def run_lookup_bench(*, model: str | None = None, entries: int = 1000, runs: int = 20,
                      lengths: tuple[int, ...] = (16, 64, 128, 256), n_ctx: int = 2048,
                      progress: Any = None) -> dict[str, Any]:
-    from ..config import CacheConfig
-    from ..engines.llamacpp import LlamaCppAdapter
-    from ..semantic import MiniLMEmbedder, SemanticRouter, VectorIndex
+    from edgekv.config import CacheConfig
+    from edgekv.engines.llamacpp import LlamaCppAdapter
+    from edgekv.semantic import MiniLMEmbedder, SemanticRouter, VectorIndex
 
     with tempfile.TemporaryDirectory(prefix="edgekv-lookup-") as tmp:
         cfg = CacheConfig(cache_dir=Path(tmp))

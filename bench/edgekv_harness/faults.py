@@ -221,7 +221,7 @@ _COLUMNS = (("runs", "runs"), ("requests", "requests"), ("wrong_outputs", "wrong
 
 
 def faults_table(res: dict[str, Any]) -> str:
-    from edgekv.bench.report import table
+    from edgekv_bench.report import table
 
     rows = [[r["fault"], "FAILED" if r.get("status") == "failed" else "measured",
              *(_cell(r, k) for k, _ in _COLUMNS),
@@ -244,7 +244,7 @@ def faults_table(res: dict[str, Any]) -> str:
 
 def run_cli(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     """`edgekv bench faults`: the shared bench flags to options, the matrix, its table."""
-    from edgekv.bench.report import environment
+    from edgekv_bench.report import environment
 
     opts = dict(DEFAULTS)
     for k in ("model", "duration", "kills", "requests", "max_tokens", "n_ctx"):
@@ -272,7 +272,7 @@ def run_cli(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """`edgekv bench faults` (registered by the CLI where a checkout holds this harness)."""
-    from edgekv.bench.options import bench_parser
+    from edgekv_bench.options import bench_parser
 
     p = bench_parser(sub, "faults", "the fault matrix on real processes: kill -9, disk full, "
                      "read-only, permissions, load, Redis down/full/cluster node (checkout only)",

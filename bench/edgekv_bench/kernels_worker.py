@@ -2,7 +2,7 @@
 
 The orchestrator (`kernels.py`) starts this module with the build's environment (its
 LLAMA_CPP_LIB_PATH, its kernel switches) so that each build's native libraries are the only
-ones loaded in the process: `python -m edgekv.bench.kernels_worker SPEC_JSON`. It prints one
+ones loaded in the process: `python -m edgekv_bench.kernels_worker SPEC_JSON`. It prints one
 JSON object on its last line of stdout.
 
 Tasks (SPEC_JSON's "tasks"):
@@ -75,7 +75,7 @@ def first_divergence(adapter: Any, prompt: str) -> int:
 
 
 def _speed(adapter: Any) -> dict[str, Any]:
-    from ..engines.probe import probe_tokens
+    from edgekv.engines.probe import probe_tokens
 
     out: dict[str, Any] = {}
     for n in (512, 2048):
@@ -96,8 +96,8 @@ def _speed(adapter: Any) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     spec = json.loads(argv[0])
-    from ..engines.llamacpp import LlamaCppAdapter
-    from ..engines.probe import probe_batch_invariance
+    from edgekv.engines.llamacpp import LlamaCppAdapter
+    from edgekv.engines.probe import probe_batch_invariance
 
     kwargs: dict[str, Any] = {"flash_attn": bool(spec.get("flash_attn"))}
     adapter = LlamaCppAdapter(spec["model"], n_ctx=int(spec.get("n_ctx", 2304)),

@@ -38,7 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from edgekv.errors import ConfigError
+
 from .clients import Reply, agreement, run_level, summarize
 from .concurrent_workload import WORKLOADS, Messages, Prompt, build_prompts
 from .options import csv, llama_server_path
@@ -245,7 +246,7 @@ def _prompts(model: str, workloads: Sequence[str], requests: int, users: int, se
     """Each workload's prompts, rendered with the GGUF's own chat template."""
     import llama_cpp
 
-    from ..chat import render_chat
+    from edgekv.chat import render_chat
 
     vocab = llama_cpp.Llama(model, vocab_only=True, verbose=False)
     try:
@@ -293,8 +294,9 @@ def run_concurrency_bench(*, concurrency: Sequence[int], workdir: Path,
                           probe_dir: Path | None = None, progress: bool = True
                           ) -> dict[str, Any]:
     """Every server x workload x concurrency level, one run each (see the module doc)."""
-    from ..config import default_cache_dir
-    from ..engines.models import resolve_model
+    from edgekv.config import default_cache_dir
+    from edgekv.engines.models import resolve_model
+
     from .report import environment
 
     levels = tuple(sorted(set(concurrency)))

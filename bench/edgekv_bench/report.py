@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..markdown import table
+from .markdown import table
 
 __all__ = ["environment", "median_ms", "table", "write_bench_report", "write_json"]
 

@@ -43,17 +43,18 @@ from typing import Any
 
 import numpy as np
 
-from ..cache import EdgeKV
-from ..config import CacheConfig
-from ..energy import CPU_W_PER_BUSY_CORE
-from ..store import open_store
-from ..stream.client import KVClient
-from ..stream.costmodel import RADIO_J_PER_BYTE, RADIO_W_ACTIVE, CostModel
-from ..stream.hybrid import HybridLoader, HybridResult
-from ..stream.netem import Shaper
-from ..texts import MANUAL, SYSTEM_PROMPT
+from edgekv.cache import EdgeKV
+from edgekv.config import CacheConfig
+from edgekv.energy import CPU_W_PER_BUSY_CORE
+from edgekv.store import open_store
+from edgekv.stream.client import KVClient
+from edgekv.stream.costmodel import RADIO_J_PER_BYTE, RADIO_W_ACTIVE, CostModel
+from edgekv.stream.hybrid import HybridLoader, HybridResult
+from edgekv.stream.shaper import Shaper
+
 from .options import Subparsers, bench_parser, csv, progress
 from .report import environment, table
+from .texts import MANUAL, SYSTEM_PROMPT
 
 __all__ = ["add_parser", "Link", "run_cli", "run_stream_bench", "spread", "stream_table",
            "write_report"]
@@ -137,7 +138,7 @@ def run_stream_bench(*, model: str | None = None,
                      variants: bool = True, variant_at: tuple[float, float] | None = None,
                      n_threads: int | None = None, with_local: bool = False,
                      progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
-    from ..engines.llamacpp import LlamaCppAdapter
+    from edgekv.engines.llamacpp import LlamaCppAdapter
 
     tmp = tempfile.TemporaryDirectory(prefix="edgekv-stream-")
     root = Path(tmp.name)

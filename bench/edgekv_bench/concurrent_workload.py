@@ -19,7 +19,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..errors import ConfigError
+from edgekv.errors import ConfigError
 
 __all__ = ["DOCS_INSTRUCTION", "WORKLOADS", "Messages", "Prompt", "build_prompts",
            "chat_messages", "docs_messages"]

@@ -693,7 +693,7 @@ class WorkloadTarget(Target):
         return b"\n".join(lines)
 
     def run(self, x: bytes) -> bool:
-        from edgekv.bench.workload import load_jsonl
+        from edgekv_bench.workload import load_jsonl
 
         self.path.write_bytes(x)
         reqs = load_jsonl(self.path)
@@ -1442,7 +1442,6 @@ def build_corpus(out: Path, *, real: bool = True, model: str | None = None,
     traffic; `adapter`: a LlamaCppAdapter to use (left open) instead of loading one."""
     import numpy as np
 
-    from edgekv.bench.workload import chat_workload, seed_workload
     from edgekv.cache import EdgeKV
     from edgekv.config import CacheConfig
     from edgekv.engines.fake import FakeAdapter
@@ -1450,7 +1449,8 @@ def build_corpus(out: Path, *, real: bool = True, model: str | None = None,
     from edgekv.store import open_store
     from edgekv.store.memory import MemoryStore
     from edgekv.stream.codec import LEVELS, encode_chunk
-    from edgekv.texts import MANUAL, QUESTIONS, SYSTEM_PROMPT
+    from edgekv_bench.texts import MANUAL, QUESTIONS, SYSTEM_PROMPT
+    from edgekv_bench.workload import chat_workload, seed_workload
 
     out.mkdir(parents=True, exist_ok=True)
     for sub in ("fragment", "state_blob", "chunk"):
@@ -1615,7 +1615,7 @@ def run_fuzz(targets: Sequence[str] | None = None, inputs: int = DEFAULT_INPUTS,
              model: str | None = None, hang_s: float = HANG_S,
              progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Fuzz each target with `inputs` inputs; the result with one row per target."""
-    from edgekv.bench.report import environment
+    from edgekv_bench.report import environment
 
     names = list(targets or TARGETS)
     for n in names:
@@ -1641,7 +1641,7 @@ def run_fuzz(targets: Sequence[str] | None = None, inputs: int = DEFAULT_INPUTS,
 
 
 def fuzz_table(res: dict[str, Any]) -> str:
-    from edgekv.markdown import table
+    from edgekv_bench.markdown import table
 
     rows = [[r["target"], r["inputs"], r["crashes"], r["hangs"], r["peak_rss_mb"],
              r["clean_errors"], r["accepted"], r["seconds"], r.get("clean") or "-"]
@@ -1672,7 +1672,7 @@ def run_cli(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """`edgekv bench fuzz` (registered by the CLI where a checkout holds this harness)."""
-    from edgekv.bench.options import bench_parser
+    from edgekv_bench.options import bench_parser
 
     p = bench_parser(sub, "fuzz", "mutation fuzzing of every decoder of untrusted bytes and "
                      "the HTTP bodies: crashes, hangs, memory (checkout only)", run_cli)

@@ -1,4 +1,5 @@
-"""Network emulation: bandwidth, delay, jitter, loss and a link that changes mid-request.
+"""A user-space link shaper for the SparKV client (`--kv-link`): bandwidth, delay, jitter,
+loss and a link that changes mid-request.
 
 `Shaper` works inside the client (portable, any OS, no root: this machine's kernel has no
 sch_netem, and tc needs root anyway): a request waits one RTT (plus a uniform jitter in
@@ -11,19 +12,17 @@ accumulate (segments stay in order, as on one TCP connection). `change_after_byt
 all its requests), the bandwidth becomes the new value (a link that degrades mid-request).
 `log` counts what it did (requests, RTTs drawn, losses, the change), for tests and reports.
 
-`NetnsLink` is the real thing where root allows: a network namespace with a veth pair shaped
-by Linux `tc netem` (delay, rate, loss) for a server started inside it.
+The kernel's own emulation (`tc netem` in a network namespace, for the benchmarks) is the lab's:
+`edgekv_bench.netem`.
 """
 
 from __future__ import annotations
 
 import random
-import shutil
-import subprocess
 import time
 from dataclasses import dataclass, field
 
-__all__ = ["NetnsLink", "Shaper", "ShaperLog", "netns_available"]
+__all__ = ["Shaper", "ShaperLog"]
 
 SEGMENT = 64 * 1024
 MIN_RTO_S = 0.2  # TCP's minimum retransmission timeout (RFC 6298)
@@ -119,70 +118,3 @@ class Shaper:
         wait = release - time.perf_counter()
         if wait > 0:
             time.sleep(wait)
-
-
-def netns_available() -> str | None:
-    """None if namespaces, veth and the netem qdisc all work here, else why not."""
-    if shutil.which("ip") is None or shutil.which("tc") is None:
-        return "ip/tc not installed (Debian package iproute2)"
-    try:
-        with NetnsLink(250):
-            return None
-    except PermissionError:
-        return "not root"
-    except subprocess.CalledProcessError as e:
-        err = (e.stderr or b"").decode(errors="replace").strip()
-        return f"{' '.join(e.cmd[:4])}... failed: {err or e}"
-    except OSError as e:
-        return str(e)
-
-
-class NetnsLink:
-    """`ip netns` + veth + `tc netem`: host side 10.213.<n>.1, namespace side 10.213.<n>.2.
-
-    Traffic goes only between this machine and a namespace it created itself; both are
-    removed on exit."""
-
-    def __init__(self, n: int = 7, *, delay_ms: float = 0.0, rate_mbit: float | None = None,
-                 loss_pct: float = 0.0) -> None:
-        self.ns, self.host_if, self.ns_if = f"ekv{n}", f"ekvh{n}", f"ekvn{n}"
-        self.host_ip, self.ns_ip = f"10.213.{n}.1", f"10.213.{n}.2"
-        self.delay_ms, self.rate_mbit, self.loss_pct = delay_ms, rate_mbit, loss_pct
-
-    def _run(self, *cmd: str) -> None:
-        subprocess.run(list(cmd), check=True, capture_output=True)
-
-    def __enter__(self) -> NetnsLink:
-        self._run("ip", "netns", "add", self.ns)
-        try:
-            self._run("ip", "link", "add", self.host_if, "type", "veth", "peer", "name", self.ns_if)
-            self._run("ip", "link", "set", self.ns_if, "netns", self.ns)
-            self._run("ip", "addr", "add", f"{self.host_ip}/30", "dev", self.host_if)
-            self._run("ip", "link", "set", self.host_if, "up")
-            ex = ("ip", "netns", "exec", self.ns)
-            self._run(*ex, "ip", "addr", "add", f"{self.ns_ip}/30", "dev", self.ns_if)
-            self._run(*ex, "ip", "link", "set", self.ns_if, "up")
-            self._run(*ex, "ip", "link", "set", "lo", "up")
-            self.shape(self.delay_ms, self.rate_mbit, self.loss_pct)
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
-        return self
-
-    def shape(self, delay_ms: float, rate_mbit: float | None, loss_pct: float) -> None:
-        """Apply netem on both directions (half the delay each way: delay_ms is the RTT)."""
-        args = ["netem", "delay", f"{delay_ms / 2:.3f}ms"]
-        if rate_mbit:
-            args += ["rate", f"{rate_mbit}mbit"]
-        if loss_pct:
-            args += ["loss", f"{loss_pct}%"]
-        self._run("tc", "qdisc", "replace", "dev", self.host_if, "root", *args)
-        self._run("ip", "netns", "exec", self.ns, "tc", "qdisc", "replace", "dev", self.ns_if,
-                  "root", *args)
-
-    def __exit__(self, *exc: object) -> None:
-        subprocess.run(["ip", "link", "del", self.host_if], capture_output=True)
-        subprocess.run(["ip", "netns", "del", self.ns], capture_output=True)
-
-    def exec_prefix(self) -> list[str]:
-        return ["ip", "netns", "exec", self.ns]

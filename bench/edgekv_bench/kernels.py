@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import EdgeKVError
+from edgekv.errors import EdgeKVError
+
 from .options import Subparsers, bench_parser
 
 __all__ = ["add_parser", "Build", "BUILDS", "ensure_quantized", "kernels_table", "run_cli",
@@ -118,7 +119,7 @@ def ensure_quantized(cache_dir: Path, llama_quantize: Path, source: Path) -> dic
 def model_paths(cache_dir: Path, llama_quantize: Path,
                 names: Sequence[str]) -> dict[str, tuple[Path, str]]:
     """name -> (GGUF path, weight type label)."""
-    from ..engines.models import resolve_model
+    from edgekv.engines.models import resolve_model
 
     smol = resolve_model("smollm2", cache_dir)
     out: dict[str, tuple[Path, str]] = {}
@@ -143,7 +144,7 @@ def _worker(build: Build, spec: dict[str, Any], timeout: float = 1800) -> dict[s
     env.pop("LLAMA_CPP_LIB_PATH", None)
     if build.lib is not None:
         env["LLAMA_CPP_LIB_PATH"] = str(build.lib.resolve())
-    res = subprocess.run([sys.executable, "-m", "edgekv.bench.kernels_worker", json.dumps(spec)],
+    res = subprocess.run([sys.executable, "-m", "edgekv_bench.kernels_worker", json.dumps(spec)],
                          capture_output=True, text=True, env=env, timeout=timeout)
     if res.returncode != 0 or not res.stdout.strip():
         raise EdgeKVError(f"{build.name} worker failed (rc {res.returncode}): "
@@ -179,7 +180,8 @@ def run_kernels_bench(models: Sequence[str] = MODELS, builds: Sequence[str] = BU
                       cache_dir: Path | None = None, root: Path = Path("."),
                       llama_quantize: Path | None = None,
                       progress: Any = None) -> dict[str, Any]:
-    from ..config import default_cache_dir
+    from edgekv.config import default_cache_dir
+
     from .report import environment
 
     cache_dir = Path(cache_dir or default_cache_dir())

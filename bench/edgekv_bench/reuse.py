@@ -26,12 +26,13 @@ from typing import Any
 
 import numpy as np
 
-from ..cache import EdgeKV, GenerationResult
-from ..config import CacheConfig
-from ..store import open_store
-from ..texts import MANUAL, QUESTIONS, SYSTEM_PROMPT
+from edgekv.cache import EdgeKV, GenerationResult
+from edgekv.config import CacheConfig
+from edgekv.store import open_store
+
 from .options import ENGINES, Subparsers, bench_parser, csv, progress
 from .report import environment, median_ms, table
+from .texts import MANUAL, QUESTIONS, SYSTEM_PROMPT
 
 __all__ = ["add_parser", "drop_page_cache", "reuse_table", "run_cli", "run_reuse_bench"]
 
@@ -144,7 +145,7 @@ def run_reuse_bench(*, model: str | None = None, runs: int = 5, context_tokens: 
                     cache_dir: Path | None = None, progress: Any = None,
                     engine: str = "llamacpp", sweep: Sequence[int] = SWEEP,
                     n_threads: int | None = None) -> dict[str, Any]:
-    from ..engines import open_adapter
+    from edgekv.engines import open_adapter
 
     tmp = None
     if cache_dir is None:

@@ -36,7 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from edgekv.errors import ConfigError
+
 from .options import Subparsers, bench_parser, csv, llama_server_opt, llama_server_path, progress
 from .report import environment, table
 from .servers import Server, free_port, greedy_extra, resolved_settings, server_command
@@ -131,8 +132,8 @@ def run_spec_bench(*, model: str | None = None, n_ctx: int = 2048, threads: int 
     import llama_cpp
     import openai
 
-    from ..chat import render_chat
-    from ..engines.models import resolve_model
+    from edgekv.chat import render_chat
+    from edgekv.engines.models import resolve_model
 
     bad = set(workloads) - set(WORKLOADS)
     if bad:

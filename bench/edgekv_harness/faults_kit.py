@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from edgekv.texts import MANUAL, QUESTIONS, SYSTEM_PROMPT
+from edgekv_bench.texts import MANUAL, QUESTIONS, SYSTEM_PROMPT
 
 __all__ = [
     "DEFAULTS", "Fault", "HarnessError", "RemovalLog", "Watched", "acked", "answers",

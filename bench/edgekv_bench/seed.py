@@ -23,13 +23,14 @@ from typing import Any
 
 import numpy as np
 
-from ..cache import EdgeKV
-from ..chat import ChatTokenizer, render_chat
-from ..config import CacheConfig
-from ..energy import EnergyMeter, joules_to_mah
-from ..errors import ConfigError
-from ..fragment import common_prefix
-from ..store import open_store
+from edgekv.cache import EdgeKV
+from edgekv.chat import ChatTokenizer, render_chat
+from edgekv.config import CacheConfig
+from edgekv.energy import EnergyMeter, joules_to_mah
+from edgekv.errors import ConfigError
+from edgekv.fragment import common_prefix
+from edgekv.store import open_store
+
 from .modes import (
     EdgeKVMode,
     LlamaRAMCacheMode,
@@ -84,8 +85,8 @@ def _open_modes(adapter: Any, engine: str, n_ctx: int, threads: int, root: Path,
                 only: tuple[str, ...] | None = None) -> EdgeKV:
     """Fill `modes` (and `kvs`, to close) as they open, so a failure closes what is open.
     Returns the strict EdgeKV, whose prefetcher is reported."""
-    from .. import open_router
-    from ..prefetch import Prefetcher
+    from edgekv import open_router
+    from edgekv.prefetch import Prefetcher
 
     min_reuse = CacheConfig().min_reuse_tokens
     model_path, kvpt = str(adapter.model_path), adapter.fingerprint.kv_bytes_per_token
@@ -167,8 +168,8 @@ def run_seed_bench(*, requests: list[Request] | None = None, n_requests: int = 1
 
     `workload` is recorded in the results either way; `max_tokens` defaults per workload.
     """
-    from ..engines import open_adapter
-    from ..semantic import MiniLMEmbedder
+    from edgekv.engines import open_adapter
+    from edgekv.semantic import MiniLMEmbedder
 
     if requests is None:
         workload, reqs = load_workload(workload, requests=n_requests, seed=seed,

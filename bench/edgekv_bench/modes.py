@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..baseline import StringCache
-from ..cache import EdgeKV
-from ..engines.base import EngineCounters
+from edgekv.cache import EdgeKV
+from edgekv.engines.base import EngineCounters
+
+from .baseline import StringCache
 
 __all__ = ["EdgeKVMode", "LlamaRAMCacheMode", "LlamaServerMode", "NoCacheMode", "Outcome",
            "PlainMode", "StateSeqMode", "StringMode"]

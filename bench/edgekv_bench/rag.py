@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from ..markdown import table
+from .markdown import table
 from .options import Subparsers, bench_parser
 from .report import environment
 
@@ -119,7 +119,7 @@ def _parse_budgets(spec: str) -> list[float]:
 def _modes(budgets: Sequence[float]) -> list[tuple[str, str, float]]:
     """(label, policy, budget): budget 0 is one mode (no policy recomputes anything); EPIC
     at every budget, the blend policy at the fractional ones (its k form adds nothing)."""
-    from ..passages import PassagePolicy
+    from edgekv.passages import PassagePolicy
 
     modes = [("nocache", "", 0.0), ("prefix", "", 0.0)]
     if 0 in budgets:
@@ -146,10 +146,10 @@ def run_rag_bench(*, requests: int = 30, budgets: str = DEFAULT_BUDGETS, seed: i
                   chunk_size: int | None = None, cache_dir: str | None = None,
                   threads: int | None = None,
                   progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    from .. import CacheConfig, EdgeKV, open_store
-    from ..config import default_cache_dir
-    from ..engines.llamacpp import LlamaCppAdapter
-    from ..passages import PassagePolicy
+    from edgekv import CacheConfig, EdgeKV, open_store
+    from edgekv.config import default_cache_dir
+    from edgekv.engines.llamacpp import LlamaCppAdapter
+    from edgekv.passages import PassagePolicy
 
     say = progress or (lambda _m: None)
     adapter = LlamaCppAdapter(model, n_ctx=n_ctx, n_threads=threads)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from ..errors import ConfigError
+from edgekv.errors import ConfigError
 
 __all__ = ["SERVERS", "Server", "free_port", "greedy_extra", "resolved_settings",
            "server_command"]
@@ -91,7 +91,7 @@ class Server:
                           f"see {self.log}")
 
     def stop(self) -> None:
-        from ..serve.runner import stop_process  # edgekv serve's extra is needed here anyway
+        from edgekv.serve.runner import stop_process  # edgekv serve's extra is needed here anyway
 
         if self.proc is not None:
             stop_process(self.proc, grace_s=30)

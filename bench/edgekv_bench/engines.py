@@ -44,15 +44,15 @@ def _adapters(model: str | None, names: tuple[str, ...], memo_dir: Any = None,
     out: dict[str, Any] = {}
     for name in names:
         if name == "llamacpp":
-            from ..engines.llamacpp import LlamaCppAdapter
+            from edgekv.engines.llamacpp import LlamaCppAdapter
 
             out[name] = LlamaCppAdapter(model, n_ctx=2048, n_threads=n_threads)
         elif name == "torch":
-            from ..engines.torch import TorchAdapter
+            from edgekv.engines.torch import TorchAdapter
 
             out[name] = TorchAdapter(model, n_ctx=2048, n_threads=n_threads)
         elif name == "onnx":
-            from ..engines.onnx import OnnxAdapter
+            from edgekv.engines.onnx import OnnxAdapter
 
             out[name] = OnnxAdapter(model, n_ctx=2048, memo_dir=memo_dir, n_threads=n_threads)
         else:
@@ -100,9 +100,9 @@ def run_engines_bench(*, model: str | None = None,
                       speed_tokens: int = 512, same_engine: bool = False,
                       n_threads: int | None = None,
                       progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
-    from ..config import default_cache_dir
-    from ..engines.base import FragmentSpec
-    from ..engines.layout import can_inject, convert_fragment
+    from edgekv.config import default_cache_dir
+    from edgekv.engines.base import FragmentSpec
+    from edgekv.engines.layout import can_inject, convert_fragment
 
     ads = _adapters(model, engines, default_cache_dir(), n_threads)
     tokenizer = ads.get("llamacpp") or next(iter(ads.values()))

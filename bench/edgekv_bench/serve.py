@@ -42,7 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from edgekv.errors import ConfigError
+
 from . import concurrency
 from .clients import stream_one
 from .options import (
@@ -141,8 +142,9 @@ def run_serve_bench(*, model: str | None = None, requests: int = 40, users: int 
     import llama_cpp
     import openai
 
-    from ..chat import render_chat
-    from ..engines.models import resolve_model
+    from edgekv.chat import render_chat
+    from edgekv.engines.models import resolve_model
+
     from .report import environment
 
     path = str(resolve_model(model))

@@ -22,9 +22,9 @@ __all__ = ["add_parser", "codec_table", "run_cli", "run_codec_bench"]
 
 def run_codec_bench(*, model: str | None = None, prompts: int = 4, context_tokens: int = 512,
                     gen_tokens: int = 16) -> dict[str, Any]:
-    from ..engines.base import FragmentSpec
-    from ..engines.llamacpp import LlamaCppAdapter
-    from ..stream.codec import LEVELS, decode_chunk, encode_chunk
+    from edgekv.engines.base import FragmentSpec
+    from edgekv.engines.llamacpp import LlamaCppAdapter
+    from edgekv.stream.codec import LEVELS, decode_chunk, encode_chunk
 
     a = LlamaCppAdapter(model, n_ctx=2048)
     c = 128
