@@ -240,7 +240,7 @@ class EdgeKV:
     def prepare(self, prompt: str | Sequence[int],
                 **options: Unpack[RequestOptions]) -> Request:
         """The only place a prompt is tokenized and validated: a `Request` for `generate`
-        (or a KV server's precompute). Refused (`request.PromptError`) if it is empty, or if
+        (or a KV server's precompute). Refused (`errors.PromptError`, by the context rule `limits.fit`) if it is empty, or if
         it and `max_tokens` more do not fit the context window; unknown options are a
         TypeError. Options: see `generate`."""
         unknown = set(options) - set(RequestOptions.__annotations__)

@@ -2,6 +2,8 @@
 
     EdgeKVError
     ├── ConfigError            a setting is out of range
+    ├── PromptError            a prompt that cannot be answered as given (empty, too long):
+    │                          carries OpenAI's error `code` and the request field at fault
     ├── ModelNotFound          no GGUF file where one was expected
     ├── EngineError            the engine failed or is missing
     │   └── UnsupportedLayout  the engine's KV state is in a layout EdgeKV cannot slice safely
@@ -24,6 +26,7 @@ __all__ = [
     "FragmentError",
     "IncompatibleFragment",
     "ModelNotFound",
+    "PromptError",
     "ChunkRejected",
     "StoreError",
     "StreamTimeout",
@@ -38,6 +41,17 @@ class EdgeKVError(Exception):
 
 class ConfigError(EdgeKVError, ValueError):
     """A configuration value is invalid."""
+
+
+class PromptError(EdgeKVError, ValueError):
+    """A prompt that cannot be answered as given (empty, or longer than the context window
+    allows with `max_tokens` more); `code` is OpenAI's name for the case (a server answers it
+    as a 400 by this code, never by the message), `param` the request field at fault."""
+
+    def __init__(self, message: str, code: str = "invalid_value",
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.code, self.param = code, param
 
 
 class ModelNotFound(EdgeKVError, FileNotFoundError):

@@ -38,9 +38,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .engines.base import FragmentSpec, KVAdapter, PassageEngine, ShiftableKV
-from .errors import ConfigError, EdgeKVError, UnsupportedLayout
+from .errors import ConfigError, EdgeKVError, PromptError, UnsupportedLayout
 from .fragment import MAX_SPAN, PASSAGE_MIN_SPAN, PASSAGE_PARENT, KVFragment
 from .keys import passage_key
+from .limits import fit
 
 if TYPE_CHECKING:
     from .config import CacheConfig
@@ -224,12 +225,11 @@ class PassageReuse:
         asked = (a.tokenize(question, add_bos=False) if isinstance(question, str)
                  else [int(t) for t in question])
         if not asked:
-            raise EdgeKVError("the question after the passages is empty; the first output "
-                              "token needs at least one token computed after them")
+            raise PromptError("the question after the passages is empty; the first output "
+                              "token needs at least one token computed after them",
+                              "invalid_value", "prompt")
+        fit(a.n_ctx, len(asked), max_tokens, held=len(tokens))
         tokens += asked
-        if len(tokens) + max_tokens > a.n_ctx:
-            raise EdgeKVError(f"passages and question ({len(tokens)} tokens) + max_tokens "
-                              f"({max_tokens}) exceed the context window ({a.n_ctx})")
         return PassageLayout(tokens, tuple(spans))
 
     def warm(self, passages: Sequence[str], scores: bool | None = None) -> int:

@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 import numpy as np
 
 from .engines.base import KVAdapter
-from .errors import EdgeKVError
+from .errors import PromptError
 from .fragment import KVFragment
 from .keys import ChunkKey
+from .limits import fit
 from .lookup import PrefixMatch
 from .passages import PassageLayout, PassagePolicy, PassageReport
 
@@ -29,36 +30,15 @@ if TYPE_CHECKING:
     from .engines.constraint import Constraint
 
 __all__ = ["FillRequest", "FillStep", "Filled", "GenerationResult", "PrefetchHook",
-           "PromptError", "Request", "RequestOptions", "Sampling", "prepare_tokens"]
-
-
-class PromptError(EdgeKVError, ValueError):
-    """A prompt that cannot be answered as given (empty, or longer than the context window
-    allows with `max_tokens` more); `code` is OpenAI's name for the case."""
-
-    def __init__(self, message: str, code: str = "invalid_prompt") -> None:
-        super().__init__(message)
-        self.code = code
+           "PromptError", "Request", "RequestOptions", "Sampling", "fit", "prepare_tokens"]
 
 
 def prepare_tokens(adapter: KVAdapter, prompt: str | Sequence[int], max_tokens: int) -> list[int]:
     """The prompt's token ids, refused (`PromptError`) if empty or if `max_tokens` more would
-    not fit the context window."""
+    not fit the context window (`fit`)."""
     tokens = adapter.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-    if not tokens:
-        raise PromptError("the prompt is empty; give at least one token")
-    check_fits(adapter, len(tokens), max_tokens, "prompt")
+    fit(adapter.n_ctx, len(tokens), max_tokens)
     return tokens
-
-
-def check_fits(adapter: KVAdapter, n_tokens: int, max_tokens: int, what: str) -> None:
-    if max_tokens < 0:
-        raise PromptError(f"max_tokens={max_tokens} must be >= 0", "invalid_value")
-    if n_tokens + max_tokens > adapter.n_ctx:
-        raise PromptError(
-            f"{what} ({n_tokens} tokens) + max_tokens ({max_tokens}) exceeds the context "
-            f"window ({adapter.n_ctx}); shorten the prompt or raise --n-ctx",
-            "context_length_exceeded")
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ..errors import ConfigError, EdgeKVError
+from ..errors import ConfigError, EdgeKVError, PromptError
 
 __all__ = [
     "APIError", "CLIENT_GONE", "api_error_response", "bad_request", "client_gone_response",
@@ -45,14 +45,15 @@ def bad_request(message: str, *, code: str = "invalid_value",
 
 
 def from_library_error(e: EdgeKVError) -> APIError:
-    """Map an error `EdgeKV.generate` raised. The server validates before it queues, so most
-    of these are server faults (500); the input checks the library repeats stay 400."""
-    text = str(e)
-    if "context window" in text:
-        return bad_request(text, code="context_length_exceeded", param="messages")
-    if isinstance(e, ConfigError) or "empty" in text:
-        return bad_request(text)
-    return APIError(500, f"the engine failed: {text}", type="server_error",
+    """Map an error the library raised, by its type, never its message: a `PromptError`
+    (the context rule, an empty prompt) is a 400 with the code and field it carries, a
+    `ConfigError` a 400; anything else is a server fault (500): the server validates before it
+    queues, with the library's own rule."""
+    if isinstance(e, PromptError):
+        return bad_request(str(e), code=e.code, param=e.param)
+    if isinstance(e, ConfigError):
+        return bad_request(str(e))
+    return APIError(500, f"the engine failed: {e}", type="server_error",
                     code="internal_error")
 
 

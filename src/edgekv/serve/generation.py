@@ -27,8 +27,9 @@ from ..cache import EdgeKV
 from ..chat import ChatTokenizer
 from ..engines.base import KVAdapter
 from ..engines.constraint import Chain, Constraint, Grammar, grammar_constraint
-from ..errors import EdgeKVError, EngineError
+from ..errors import EdgeKVError, EngineError, PromptError
 from ..keys import KV_SERVER_TENANTS, SERVE_TENANTS
+from ..limits import fit
 from ..request import Request
 from .decode import IncrementalText
 from .errors import APIError, bad_request, from_library_error
@@ -122,10 +123,10 @@ class ServedModel:
 
     def check_limit(self, max_tokens: int | None, param: str) -> None:
         """A `max_tokens` that no prompt could satisfy is refused before queueing."""
-        if max_tokens is not None and max_tokens >= self.n_ctx:
-            raise bad_request(f"{param}={max_tokens} does not fit the context window "
-                              f"({self.n_ctx} tokens, prompt included); ask for fewer tokens",
-                              param=param)
+        try:
+            fit(self.n_ctx, None, max_tokens, limit_param=param)
+        except PromptError as e:
+            raise from_library_error(e) from None
 
     def prepare(self, prompt: str | tuple[int, ...], limit: int | None,
                 param: str = "prompt", passages: tuple[str, ...] | None = None
@@ -176,18 +177,12 @@ class ServedModel:
                 docs = len(self.anchor) + sum(
                     len(self.kv.adapter.tokenize(p, add_bos=False, special=False))
                     for p in passages)
-        if not tokens:
-            raise bad_request("the prompt is empty; give at least one token", param="prompt")
-        room = self.n_ctx - docs - len(tokens)
-        if room < 1 or (limit is not None and limit > room):
-            asked = f" + max_tokens ({limit})" if limit is not None else ""
-            held = f"the documents have {docs} tokens and " if passages is not None else ""
-            raise APIError(400, f"this model's context window is {self.n_ctx} tokens; "
-                           f"{held}the prompt has {len(tokens)}{asked}. Shorten the "
-                           f"{'documents or the ' if passages is not None else ''}prompt or "
-                           "ask for fewer tokens", code="context_length_exceeded",
-                           param="documents" if docs > len(tokens) else param)
-        return tokens, room if limit is None else limit
+        try:
+            room = fit(self.n_ctx, len(tokens), limit, held=docs, param=param)
+        except PromptError as e:
+            raise from_library_error(e) from None
+        assert room is not None
+        return tokens, room
 
     def constraint(self, grammar: Grammar | None, param: str) -> Constraint | None:
         """The request's grammar state over this model's vocabulary (built on arrival, so a
