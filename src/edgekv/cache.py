@@ -74,6 +74,21 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, slots=True)
+class _Times:
+    """When each step of one generation ended (`time.perf_counter`); `looked_up` is the end
+    of the lookup less the time spent waiting for another generation's chunks (`waited`)."""
+
+    start: float
+    looked_up: float
+    waited: float
+    injected: float
+    prefilled: float
+    first: float
+    generated: float
+    stored: float
+
+
 @dataclass(eq=False)
 class _Claim:
     """Prompt chunks one generation computes (`EdgeKV._claim`): `done` once they are stored
@@ -240,9 +255,9 @@ class EdgeKV:
     def prepare(self, prompt: str | Sequence[int],
                 **options: Unpack[RequestOptions]) -> Request:
         """The only place a prompt is tokenized and validated: a `Request` for `generate`
-        (or a KV server's precompute). Refused (`errors.PromptError`, by the context rule `limits.fit`) if it is empty, or if
-        it and `max_tokens` more do not fit the context window; unknown options are a
-        TypeError. Options: see `generate`."""
+        (or a KV server's precompute). Refused (`errors.PromptError`, by the context rule
+        `limits.fit`) if it is empty, or if it and `max_tokens` more do not fit the context
+        window; unknown options are a TypeError. Options: see `generate`."""
         unknown = set(options) - set(RequestOptions.__annotations__)
         if unknown:
             raise TypeError(f"unknown request option(s): {', '.join(sorted(unknown))}")
@@ -289,25 +304,17 @@ class EdgeKV:
         `seed`, `keep_logits`, `constraint`: a grammar or logprob recorder that masks each
         step, never the KV); `use_cache=False` for a cold run, `store=False` to store nothing;
         `approximate` (default `config.approximate`: the seed's similarity injection,
-        labelled); `salt`, a tenant (an API key, an OpenAI `cache_salt`) whose prefixes sit
-        in a chain of their own, named by `namespace` (`keys.tenant_root`); `passages`
-        (with `config.passage_reuse`): texts placed before `prompt` whose cached KV is reused
-        wherever they sit (approximate, labelled in `result.passages`). `on_token` sees each
-        sampled token as it comes and may stop the generation by returning False.
+        labelled); `salt`, a tenant whose prefixes sit in a chain of their own, named by
+        `namespace` (`keys.tenant_root`); `passages` (with `config.passage_reuse`): texts
+        placed before `prompt`, their cached KV reused wherever they sit (approximate,
+        labelled). `on_token` sees each token as it comes; returning False stops.
 
-        `sequence`: the engine sequence to run on instead of `adapter`, one of a server's
-        slots (`parallel.Slots`); several generations then run at once, one per slot and
-        thread, and their prefill and decode tokens are batched together. The steps that
-        read and write the cache (match, injection, commit) take turns, and a generation
-        whose prompt's next chunk another sequence is computing waits for it to be stored,
-        then reuses it (see "prompt chunks in flight" below)."""
+        `sequence`: one of a server's engine slots (`parallel.Slots`) to run on instead of
+        `adapter`: generations then run at once, batched; the cache's own steps take turns,
+        and one whose prompt's next chunk another is computing waits for it, then reuses it
+        ("prompt chunks in flight" below)."""
         t0 = time.perf_counter()
-        if isinstance(prompt, Request):
-            if options:
-                raise TypeError("a prepared Request carries its options; give none here")
-            req = prompt
-        else:
-            req = self.prepare(prompt, **options)
+        req = self._request(prompt, options)
         a = sequence or self.adapter
         # decided before the engine holds the request (a probe row measured now clears it)
         spec = self.speculation if req.speculative is not False else None
@@ -323,44 +330,66 @@ class EdgeKV:
             traffic = a.counters.since(before).traffic_bytes(a.weight_bytes,
                                                              a.fingerprint.kv_bytes_per_token)
             t_logits = time.perf_counter()
-
-            early = [0, 0, 0.0]  # fragments, bytes, seconds stored after the first token
-            prompt_match = match
-
-            def commit_prompt() -> None:  # after the first token: the waiting reuse them
-                with self._steps:
-                    if claimed.waiters and not claimed.done.is_set():
-                        t = time.perf_counter()
-                        early[:2] = self._commit_prompt(req, prompt_match, filled, cached, a)
-                        early[2] = time.perf_counter() - t
-                    self._unclaim(claimed)
-
+            commit_prompt, early = self._early_commit(req, match, filled, cached, a, claimed)
             gen, t_first = self._sample(logits, req.sampling, on_token, a,
                                         after_first=commit_prompt if sequence else None,
                                         speculation=spec)
             t_gen = time.perf_counter()
             with self._steps:
                 match, stored, written = self._commit(req, match, filled, cached, a)
-            stored, written = stored + int(early[0]), written + int(early[1])
         except BaseException:
             if match is not None:
                 match.release()  # its pins: nothing reads the matched path any more
             raise
         finally:
             self._unclaim(claimed)
-        t_end = time.perf_counter()
+        times = _Times(t0, t_lookup - waited, waited, t_inject, t_logits, t_first, t_gen,
+                       time.perf_counter() + early[2])
+        return self._result(req, a, gen, match, cached, filled, logits, traffic,
+                            stored + int(early[0]), written + int(early[1]), times)
+
+    def _request(self, prompt: str | Sequence[int] | Request,
+                 options: RequestOptions) -> Request:
+        if not isinstance(prompt, Request):
+            return self.prepare(prompt, **options)
+        if options:
+            raise TypeError("a prepared Request carries its options; give none here")
+        return prompt
+
+    def _early_commit(self, req: Request, match: PrefixMatch, filled: Filled, cached: int,
+                      a: KVAdapter, claimed: _Claim) -> tuple[Callable[[], None], list[float]]:
+        """What runs after the first token of a generation on a slot: where others wait for
+        this prompt's chunks, they are stored now, not after the answer. The list counts
+        what it stored: fragments, bytes, seconds."""
+        early = [0.0, 0.0, 0.0]
+
+        def commit_prompt() -> None:
+            with self._steps:
+                if claimed.waiters and not claimed.done.is_set():
+                    t = time.perf_counter()
+                    early[:2] = self._commit_prompt(req, match, filled, cached, a)
+                    early[2] = time.perf_counter() - t
+                self._unclaim(claimed)
+
+        return commit_prompt, early
+
+    @staticmethod
+    def _result(req: Request, a: KVAdapter, gen: Generation, match: PrefixMatch, cached: int,
+                filled: Filled, logits: np.ndarray, traffic: int, stored: int, written: int,
+                t: _Times) -> GenerationResult:
         return GenerationResult(
             text=a.detokenize(gen.tokens), tokens=gen.tokens, prompt_tokens=len(req.tokens),
             cached_tokens=cached,
             computed_tokens=len(req.tokens) - cached - filled.streamed - filled.placed,
-            ttft_s=t_first - t0, total_s=t_gen - t0, lookup_s=t_lookup - t0 - waited,
-            inject_s=t_inject - t_lookup, prefill_s=t_logits - t_inject,
-            store_s=t_end - t_gen + early[2], stored_fragments=stored,
+            ttft_s=t.first - t.start, total_s=t.generated - t.start,
+            lookup_s=t.looked_up - t.start, inject_s=t.injected - t.looked_up - t.waited,
+            prefill_s=t.prefilled - t.injected, store_s=t.stored - t.generated,
+            stored_fragments=stored,
             kv_bytes_read=sum(f.nbytes for f in match.fragments) if cached else 0,
             kv_bytes_written=written, prefill_traffic_bytes=traffic, first_logits=logits,
             match=match, step_logits=gen.logits, finish_reason=gen.finish_reason,
             streamed_tokens=filled.streamed, passages=filled.passages,
-            fill_report=filled.report, wait_s=waited, drafted_tokens=gen.drafted,
+            fill_report=filled.report, wait_s=t.waited, drafted_tokens=gen.drafted,
             accepted_tokens=gen.accepted)
 
     def warm_passages(self, passages: Sequence[str], scores: bool | None = None) -> int:

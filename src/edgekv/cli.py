@@ -389,13 +389,14 @@ def cmd_probe(args: argparse.Namespace) -> int:
     """Run the batch-invariance probe now (not the recorded answer) and time a cold prefill;
     `--finish`: finish (or run whole) the recorded answer of this cache dir and record it."""
     from .engines import open_adapter
+    from .engines.base import KernelSettings
     from .engines.probe import measure_prefill, probe_batch_invariance
 
     if args.finish:
         return _probe_finish(args)
     adapter = open_adapter(args.engine, args.model, n_ctx=args.n_ctx, n_threads=args.threads,
                            memo_dir=_config(args).cache_dir, **_flash_attn(args))
-    flash_attn = bool(getattr(adapter, "flash_attn", False))
+    flash_attn = isinstance(adapter, KernelSettings) and adapter.flash_attn
     try:
         res = probe_batch_invariance(adapter)
         speed = measure_prefill(adapter, args.prefill_tokens, runs=args.runs)

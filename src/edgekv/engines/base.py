@@ -52,7 +52,8 @@ if TYPE_CHECKING:
     from .spec import Speculation
 
 __all__ = ["DraftVerifier", "EngineCounters", "FragmentSpec", "Generation", "KVAdapter", "KVRun",
-           "ModelFile", "PassageEngine", "ShiftableKV", "TokenCallback", "Twinned", "WindowedKV"]
+           "KernelSettings", "ModelFile", "PassageEngine", "ShiftableKV", "TokenCallback",
+           "Twinned", "WindowedKV"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,6 +253,17 @@ class ShiftableKV(Protocol):
         """The engine side of passage reuse; raises UnsupportedLayout with the reason where
         this model's KV cannot be moved (sliding-window layers, M-RoPE, scaled RoPE)."""
         ...
+
+
+@runtime_checkable
+class KernelSettings(Protocol):
+    """The adapter reports the kernel settings its exactness depends on (llama.cpp): whether
+    its build's batch-invariant kernels are on, and whether flash attention runs."""
+
+    batch_invariant: bool
+
+    @property
+    def flash_attn(self) -> bool: ...
 
 
 @runtime_checkable

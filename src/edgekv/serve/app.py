@@ -30,7 +30,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from ..cache import EdgeKV
-from ..engines.base import ModelFile
+from ..engines.base import KernelSettings, ModelFile
 from ..engines.constraint import Grammar
 from ..engines.probe import ProbeFinisher
 from ..errors import ConfigError
@@ -291,8 +291,10 @@ class _Server:
         assert self.served is not None
         kv = self.served.kv
         a = kv.adapter
-        return {"build": a.build_info(), "batch_invariant": getattr(a, "batch_invariant", None),
-                "flash_attn": getattr(a, "flash_attn", None),
+        kernels = a if isinstance(a, KernelSettings) else None
+        return {"build": a.build_info(),
+                "batch_invariant": None if kernels is None else kernels.batch_invariant,
+                "flash_attn": None if kernels is None else kernels.flash_attn,
                 "reuse_granularity": kv.granularity, "why": kv.granularity_reason,
                 "probe_pending": list(kv.probe_pending),
                 "speculative": kv.speculation_reason}
