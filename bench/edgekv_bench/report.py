@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,7 +34,39 @@ def environment() -> dict[str, Any]:
         "machine": platform.machine(),
         "cpu_count": os.cpu_count(),
         "llama_cpp_python": llama_version,
+        "cpu": _cpu_model(),
+        "commit": _commit(),
+        "argv": list(sys.argv),
     }
+
+
+def _cpu_model() -> str | None:
+    """The CPU's model name and its widest vector extension (the machine kind a figure ran
+    on), from /proc/cpuinfo; None where it cannot be read."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    fields = dict(line.split(":", 1) for line in text.splitlines()[:64] if ":" in line)
+    name = " ".join(fields.get("model name\t", fields.get("model name", "")).split()) or None
+    flags = set(fields.get("flags\t\t", fields.get("flags", "")).split())
+    wide = next((f for f in ("amx_tile", "avx512f", "avx2") if f in flags), None)
+    return None if name is None else f"{name} ({wide})" if wide else name
+
+
+def _commit() -> str | None:
+    """The checkout's commit (with `-dirty` where the tree has changes) the run used."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],
+                              capture_output=True, text=True, timeout=10, check=True).stdout
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "-uno"],
+                               capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.strip() + ("-dirty" if dirty.strip() else "")
 
 
 def write_json(path: str | Path, data: dict[str, Any]) -> Path:
