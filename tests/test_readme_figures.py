@@ -1,106 +1,92 @@
-"""Every figure the README quotes beside a benchmark JSON is found in that JSON.
+"""Every figure the README quotes beside a benchmark JSON is the field of that JSON it is pinned
+to (docs/readme-figures.json, made by scripts/readme_figures.py).
 
-A README line (a table row, a list item or a paragraph line) that names one or more files or
-folders under `docs/bench/` is a sourced line: each number on it must be a value of one of the
-JSONs it names, at the README's precision (`308 ms` matches 308.4; `88%` matches 0.88 or 88.0;
-`2.17 s` matches 2173 ms), or the length of a list in them (a count of rows). Numbers inside
-`code spans` (commands, flags) and names with digits (SmolLM2-135M, Q4_1, Gemma 3) are not
-figures. Every row of the "Measured" table must name its source."""
+A README unit (a table row, or a paragraph or list item with its wrapped lines joined) that
+names files or folders under `docs/bench/` is sourced: each number on it must have a pin, and
+the value at the pinned field must match at the README's precision (`308 ms` matches 308.4;
+`88%` matches 0.88 or 88.0; `2.17 s` matches 2173 ms). Numbers inside `code spans` (commands,
+flags) and names with digits (SmolLM2-135M, Q4_1, Gemma 3) are not figures. Every row of the
+"Measured" table must name its source."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import re
-from collections.abc import Iterator
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-README = ROOT / "README.md"
-SOURCE = re.compile(r"docs/bench/[\w./-]*")
-# names that carry digits but are not figures
-NAMES = re.compile(r"Gemma ?3|Zen ?\d|\d+-node|MiniLM-L6-v2|all-MiniLM-L6|L6|x86-64|"
-                   r"Python 3\.\d+|[A-Za-z]+\d\w*|(?<![\d.])\d+(?!x\b|ms\b|s\b)[A-Za-z]\w*|"
-                   r"\w+_\d\w*|top-\d+|k=\d+")
-FIGURE = re.compile(r"(?<![\w.])(\d{1,3}(?:,\d{3})+|\d+)(\.\d+)?(x|%| ?ms| ?s\b)?(?![\w])")
+_spec = importlib.util.spec_from_file_location("edgekv_readme_figures",
+                                               ROOT / "scripts" / "readme_figures.py")
+assert _spec is not None and _spec.loader is not None
+rf = importlib.util.module_from_spec(_spec)
+sys.modules["edgekv_readme_figures"] = rf
+_spec.loader.exec_module(rf)
 
 
-def numbers(x: object) -> Iterator[float]:
-    if isinstance(x, bool):
-        return
-    if isinstance(x, (int, float)):
-        yield float(x)
-    elif isinstance(x, dict):
-        for v in x.values():
-            yield from numbers(v)
-    elif isinstance(x, list):
-        yield float(len(x))
-        for v in x:
-            yield from numbers(v)
+def _pins() -> dict[tuple[str, int, str], dict]:
+    return {(p["unit"], p["index"], p["figure"]): p for p in json.loads(rf.PINS.read_text())}
 
 
-def sources(line: str) -> list[Path]:
-    out: list[Path] = []
-    for m in SOURCE.findall(line):
-        p = ROOT / m.rstrip(".,;:)")
-        if p.is_dir():
-            out += sorted(p.glob("*.json"))
-        elif p.suffix == ".json":
-            out.append(p)
-    return out
-
-
-def figures(line: str) -> list[tuple[str, float, int, str]]:
-    text = re.sub(r"`[^`]*`", " ", line)  # code spans: commands and flags
-    text = re.sub(r"\]\([^)]*\)", "]", text)  # link targets
-    text = SOURCE.sub(" ", text)
-    text = NAMES.sub(" ", text)
-    out = []
-    for m in FIGURE.finditer(text):
-        whole, frac, unit = m.group(1), m.group(2) or "", (m.group(3) or "").strip()
-        value = float(whole.replace(",", "") + frac)
-        out.append((m.group(0), value, len(frac) - 1 if frac else 0, unit))
-    return out
-
-
-def found(value: float, places: int, unit: str, pool: set[float]) -> bool:
-    scales = {"%": (1.0, 100.0), "s": (1.0, 0.001), "ms": (1.0, 1000.0)}.get(unit, (1.0,))
-    tol = 0.5 * 10 ** -places + 1e-9
-    return any(abs(v * k - value) <= tol for v in pool for k in scales)
-
-
-def sourced_lines() -> list[tuple[int, str, list[Path]]]:
-    return [(i, line, src) for i, line in enumerate(README.read_text().splitlines(), 1)
-            if (src := sources(line))]
+def check(units: list[tuple[int, str, list[Path]]], pins: dict, root: Path = ROOT) -> list[str]:
+    """What is wrong with the figures of `units` against `pins`: one line each."""
+    bad = []
+    for line, u, _src in units:
+        for n, (shown, value, places, unit) in enumerate(rf.figures(u)):
+            pin = pins.get((rf.key(u), n, shown))
+            if pin is None:
+                bad.append(f"README.md:{line}: {shown!r} is not pinned "
+                           "(python scripts/readme_figures.py)")
+                continue
+            v = rf.at(json.loads((root / pin["file"]).read_text()), pin["path"])
+            if v is None or not rf.matches(value, places, unit, v):
+                bad.append(f"README.md:{line}: {shown!r} but {pin['file']}:{pin['path']} "
+                           f"is {v}")
+    return bad
 
 
 def test_every_measured_row_names_its_json():
-    text = README.read_text()
+    text = rf.README.read_text()
     section = text.split("\n## Measured", 1)[1].split("\n## ", 1)[0]
     rows = [r for r in section.splitlines() if r.startswith("| ") and not r.startswith("|--")]
     assert len(rows) > 5
-    missing = [r[:80] for r in rows[1:] if not sources(r)]
+    missing = [r[:80] for r in rows[1:] if not rf.sources(r)]
     assert not missing, f"Measured rows without a docs/bench JSON beside them: {missing}"
 
 
-def test_every_sourced_figure_is_in_the_json_it_names():
-    lines = sourced_lines()
-    assert lines, "the README names no benchmark JSON"
-    bad = []
-    for i, line, src in lines:
-        pool: set[float] = set()
-        for p in src:
-            pool |= set(numbers(json.loads(p.read_text())))
-        for shown, value, places, unit in figures(line):
-            if not found(value, places, unit, pool):
-                bad.append(f"README.md:{i}: {shown!r} not in {[p.name for p in src]}")
+def test_every_sourced_figure_is_its_pinned_field():
+    units = rf.sourced()
+    assert units, "the README names no benchmark JSON"
+    bad = check(units, _pins())
     assert not bad, "\n".join(bad)
 
 
-def test_the_checker_catches_a_stale_figure(tmp_path):
-    """The checker itself can fail: a figure that is not in the cited JSON is reported."""
-    pool = set(numbers({"ttft_ms_mean": 308.4, "rows": [1, 2], "share": 0.88}))
-    assert found(308, 0, "ms", pool) and found(88, 0, "%", pool) and found(2, 0, "", pool)
-    assert found(0.3, 1, "s", pool)  # 308.4 ms shown in seconds
-    assert not found(2173, 0, "ms", pool) and not found(30.4, 1, "x", pool)
-    got = figures("| `bench --requests 40` | **EdgeKV 308 ms**, 1.59x, SmolLM2-135M Q4_1, 88% |")
+def test_the_checker_catches_a_stale_figure():
+    """The checker itself can fail: a figure that is not its field's value is reported."""
+    assert rf.matches(308, 0, "ms", 308.4) and rf.matches(88, 0, "%", 0.88)
+    assert rf.matches(0.3, 1, "s", 308.4)  # 308.4 ms shown in seconds
+    assert not rf.matches(2173, 0, "ms", 2.0) and not rf.matches(30.4, 1, "x", 0.88)
+    got = rf.figures("| `bench --requests 40` | **EdgeKV 308 ms**, 1.59x, SmolLM2-135M Q4_1, "
+                     "88% |")
     assert [(v, u) for _, v, _, u in got] == [(308.0, "ms"), (1.59, "x"), (88.0, "%")]
+
+
+def test_a_figure_equal_to_another_number_of_its_json_is_still_caught(tmp_path):
+    """The old check accepted a figure equal to any number in the JSON; a pin is one field.
+    Here the README's 308 ms is pinned to `ttft_ms`; after a rerun `ttft_ms` is 512 while
+    another field (`p95_ms`) happens to be 308: the figure is stale, and it is reported."""
+    (tmp_path / "docs" / "bench").mkdir(parents=True)
+    run = tmp_path / "docs" / "bench" / "x.json"
+    unit = "- TTFT 308 ms over 2 runs\n  (docs/bench/x.json)"
+    (i, joined), = rf.units(unit)
+    assert "docs/bench/x.json" in joined  # the source on the wrapped line counts
+    units = [(i, joined, [run])]
+    pins = {(rf.key(joined), 0, "308 ms"): {"file": "docs/bench/x.json", "path": "ttft_ms"},
+            (rf.key(joined), 1, "2"): {"file": "docs/bench/x.json", "path": "runs/#len"}}
+    run.write_text(json.dumps({"ttft_ms": 308.4, "p95_ms": 400.0, "runs": [1, 2]}))
+    assert check(units, pins, tmp_path) == []
+    run.write_text(json.dumps({"ttft_ms": 512.0, "p95_ms": 308.0, "runs": [1, 2]}))
+    bad = check(units, pins, tmp_path)
+    assert len(bad) == 1 and "ttft_ms is 512.0" in bad[0]
+    # a figure nobody pinned is reported too
+    assert "not pinned" in check(units, {}, tmp_path)[0]
