@@ -93,12 +93,34 @@ def test_the_wheel_holds_no_lab():
                            for n in names), f"{f}:{node.lineno} imports the lab"
 
 
-def test_shape_json(tmp_path):
-    out = tmp_path / "shape.json"
+# the modules one request passes through, from HTTP to the engine and back
+REQUEST_PATH = ("cache.py", "request.py", "limits.py", "lookup.py", "fill.py", "writeback.py",
+                "prefix_index.py", "passages.py", "parallel.py", "engines/shared.py",
+                "engines/spec.py", "serve/app.py", "serve/generation.py", "serve/responses.py",
+                "serve/scheduler.py", "serve/errors.py")
+
+
+def test_shape_json():
+    """The shape's figures, asserted, and written to docs/bench/shape.json by this test (so the
+    file cannot go stale): no import cycle in the product, the lab or the harness; no lab module
+    in the wheel; no getattr probing of capabilities; no private reached through another
+    object; `EdgeKV.generate` and every function on the request path at most 60 lines."""
+    out = ROOT / "docs" / "bench" / "shape.json"
     assert shape.main(["--json", str(out)]) == 0
     res = json.loads(out.read_text())
     assert set(res) >= {"import_cycles", "wheel_lines", "harness_lines", "generate_lines",
-                        "getattr_capability_probes", "private_cross_module"}
-    for k in ("import_cycles", "getattr_capability_probes", "private_cross_module"):
+                        "getattr_capability_probes", "private_cross_module", "lab_lines",
+                        "import_floors", "longest_functions", "functions_over_60_lines"}
+    for k in ("import_cycles", "getattr_capability_probes", "private_cross_module",
+              "functions_over_60_lines"):
         assert res[k]["count"] == len(res[k]["list"])
-    assert res["wheel_lines"] > 0 and res["harness_lines"] > 0 and res["generate_lines"] > 0
+    assert res["wheel_lines"] > 0 and res["harness_lines"] > 0 and res["lab_lines"] > 0
+    for k in ("import_cycles", "harness_import_cycles", "lab_import_cycles",
+              "getattr_capability_probes", "private_cross_module"):
+        assert res[k]["count"] == 0, (k, res[k]["list"])
+    assert res["lab_lines_in_wheel"] == 0
+    assert 0 < res["generate_lines"] <= 60
+    long_on_path = [f for f in res["functions_over_60_lines"]["list"]
+                    if f.split(":")[0].removeprefix("src/edgekv/") in REQUEST_PATH]
+    assert long_on_path == []
+    assert all(Path(ROOT / "src" / "edgekv" / m).is_file() for m in REQUEST_PATH)

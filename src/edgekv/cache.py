@@ -126,16 +126,7 @@ class EdgeKV:
         self.reader = ChunkReader.for_model(
             store, adapter.fingerprint, self.config.layers_per_fragment,
             local_layers=win.swa_layers if win else (), window=win.n_swa if win else 0)
-        self.probe: ProbeResult | None = None
-        self.granularity_reason = "configured: reuse_granularity=chunk"
-        if self.config.reuse_granularity == "auto":
-            try:
-                self.probe = load_or_probe(adapter, self.config.cache_dir / "probes",
-                                           staged=staged_probe)
-                self.granularity_reason = self.probe.reason
-            except EdgeKVError as e:  # e.g. a state layout the probe cannot read
-                log.warning("batch-invariance probe could not run (%s); whole-chunk reuse", e)
-                self.granularity_reason = f"batch-invariance probe could not run: {e}"
+        self.probe, self.granularity_reason = self._probe(staged_probe)
         # reuse ends at any token, prefill runs in one batch, tails and answers are stored
         self.token_exact = self.probe is not None and self.probe.invariant
         if not self.token_exact:
@@ -155,13 +146,7 @@ class EdgeKV:
         # opt-in; refused here, with the reason, on engines/models that cannot shift KV
         self.passages = (PassageReuse(adapter, store, self.config)
                          if self.config.passage_reuse else None)
-        if fill is not None and self.passages is not None:
-            raise ConfigError("passage reuse and a fill step (SparKV loading from a KV server, "
-                              "--kv-server) do not combine yet; use one of them")
-        # the fill step, chosen once (see `request.FillStep`)
-        self.fill: FillStep = fill or (PassagePlacement(self.passages) if self.passages
-                                       else LocalPrefill())
-        self.fill.attach(adapter, self.config)
+        self.fill: FillStep = self._fill_step(fill)
         # generations on several sequences at once (`generate(sequence=...)`) take turns in
         # the steps that read and write the cache, store, index and router
         self._steps = threading.RLock()
@@ -175,6 +160,28 @@ class EdgeKV:
         self.speculation: Speculation | None = None
         self.speculation_reason = ""
         self._decide_speculation()
+
+    def _fill_step(self, fill: FillStep | None) -> FillStep:
+        """The fill step, chosen once (see `request.FillStep`): the one given, else passage
+        placement where passage reuse is on, else local prefill."""
+        if fill is not None and self.passages is not None:
+            raise ConfigError("passage reuse and a fill step (SparKV loading from a KV server, "
+                              "--kv-server) do not combine yet; use one of them")
+        step = fill or (PassagePlacement(self.passages) if self.passages else LocalPrefill())
+        step.attach(self.adapter, self.config)
+        return step
+
+    def _probe(self, staged: bool) -> tuple[ProbeResult | None, str]:
+        """The batch-invariance probe's recorded answer (or a new one), and why the reuse
+        granularity is what it is."""
+        if self.config.reuse_granularity != "auto":
+            return None, "configured: reuse_granularity=chunk"
+        try:
+            probe = load_or_probe(self.adapter, self.config.cache_dir / "probes", staged=staged)
+        except EdgeKVError as e:  # e.g. a state layout the probe cannot read
+            log.warning("batch-invariance probe could not run (%s); whole-chunk reuse", e)
+            return None, f"batch-invariance probe could not run: {e}"
+        return probe, probe.reason
 
     # -- public API ----------------------------------------------------------------------
 

@@ -55,25 +55,7 @@ class Writeback:
         """Store the chunks of `tokens` from `cached` on (the engine holds their KV: `engine`,
         a server's slot, else the adapter); the deepest gets the route's embedding and an
         index entry. Returns (fragments, bytes)."""
-        c = self.config.chunk_size
-        spans: list[tuple[str, str, int, int]] = []  # chain key, parent, start, end
-        for i, key in enumerate(keys):
-            if (i + 1) * c > cached:
-                spans.append((key, keys[i - 1] if i else root, i * c, (i + 1) * c))
-        start, tail = len(keys) * c, len(tokens) - len(keys) * c
-        # the tokens after the last full chunk hang off it on their own: however few where
-        # reuse may end at any token or a router finds them by meaning; with whole-chunk reuse
-        # cut short (`partial_reuse`) only as many as the radix step takes (`min_reuse_tokens`).
-        # Not where a stored tail from the same start holds them already (the same request
-        # with fewer tokens to generate); the next turn's longer tail or full chunk supersedes
-        # this one (`PrefixIndex.insert`)
-        any_length = self.token_exact or self.router is not None
-        if tail and (any_length or (self.config.partial_reuse
-                                    and tail >= self.config.min_reuse_tokens)):
-            parent = keys[-1] if keys else root
-            if not self.index.covers(parent, start, tokens[start:]):
-                spans.append((next_key(parent, self.fingerprint, tokens[start:]), parent,
-                              start, len(tokens)))
+        spans = self._spans(tokens, cached, keys, root)
         specs = [FragmentSpec(key, lo, hi, glo, ghi, parent_key=parent)
                  for key, parent, lo, hi in spans
                  for glo, ghi in self.reader.layer_groups
@@ -103,15 +85,47 @@ class Writeback:
             return 0, 0
         finally:
             self._insert(tokens, spans, items, now)
+        if route is not None:
+            self._index_route(route, specs, frags, deepest)
+        return len(frags), sum(f.nbytes for f in frags)
+
+    def _spans(self, tokens: Sequence[int], cached: int, keys: Sequence[str],
+               root: str) -> list[tuple[str, str, int, int]]:
+        """(chain key, parent, start, end) of what to store: the full chunks past `cached`,
+        and the tail after the last one where it is worth a fragment of its own."""
+        c = self.config.chunk_size
+        spans: list[tuple[str, str, int, int]] = []
+        for i, key in enumerate(keys):
+            if (i + 1) * c > cached:
+                spans.append((key, keys[i - 1] if i else root, i * c, (i + 1) * c))
+        start, tail = len(keys) * c, len(tokens) - len(keys) * c
+        # the tokens after the last full chunk hang off it on their own: however few where
+        # reuse may end at any token or a router finds them by meaning; with whole-chunk reuse
+        # cut short (`partial_reuse`) only as many as the radix step takes (`min_reuse_tokens`).
+        # Not where a stored tail from the same start holds them already (the same request
+        # with fewer tokens to generate); the next turn's longer tail or full chunk supersedes
+        # this one (`PrefixIndex.insert`)
+        any_length = self.token_exact or self.router is not None
+        if tail and (any_length or (self.config.partial_reuse
+                                    and tail >= self.config.min_reuse_tokens)):
+            parent = keys[-1] if keys else root
+            if not self.index.covers(parent, start, tokens[start:]):
+                spans.append((next_key(parent, self.fingerprint, tokens[start:]), parent,
+                              start, len(tokens)))
+        return spans
+
+    def _index_route(self, route: Route, specs: Sequence[FragmentSpec],
+                     frags: Sequence[KVFragment], deepest: int) -> None:
+        """The semantic index entry of the deepest fragment, once it is stored (not refused
+        for want of room)."""
         deep = next((s, f) for s, f in zip(specs, frags) if f.token_end == deepest)
-        if (route is not None and self.router is not None and self.store.contains(
+        if self.router is not None and self.store.contains(
                 self.reader.store_key(deep[0].chain_key, deep[0].layer_start,
-                                      deep[1].layer_end))):  # not refused for want of room
+                                      deep[1].layer_end)):
             self.router.index.add(deep[0].chain_key, route.embedding)
             self._unsaved += 1
             if self._unsaved >= self.config.index_save_every:
                 self.save_index()
-        return len(frags), sum(f.nbytes for f in frags)
 
     def _insert(self, tokens: Sequence[int], spans: Sequence[tuple[str, str, int, int]],
                 items: Sequence[tuple[str, KVFragment]], now: float) -> None:

@@ -120,6 +120,25 @@ def sample_loop(adapter: KVAdapter, logits: np.ndarray, max_tokens: int, *, temp
     return Generation(tuple(tokens), tuple(kept), eos, stopped)
 
 
+class _Drafter:
+    """The drafts of one answer: the n-gram index over the prompt and the answer, built at the
+    first step that asks for drafts (most answers never draft) and fed what was sampled since."""
+
+    def __init__(self, prompt: list[int], speculation: Speculation) -> None:
+        self.prompt, self.config = prompt, speculation.config
+        self.index: NGramDrafter | None = None
+        self.fed = 0  # answer tokens the index has seen
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        if not k:
+            return []
+        if self.index is None:
+            self.index = NGramDrafter(self.prompt, self.config)
+        self.index.extend(tokens[self.fed:])
+        self.fed = len(tokens)
+        return self.index.propose(k)
+
+
 def speculative_loop(adapter: KVAdapter, logits: np.ndarray, max_tokens: int, *,
                      temperature: float, seed: int, keep_logits: bool, top_p: float = 1.0,
                      on_token: TokenCallback | None = None,
@@ -131,18 +150,12 @@ def speculative_loop(adapter: KVAdapter, logits: np.ndarray, max_tokens: int, *,
     if not isinstance(adapter, DraftVerifier):
         raise ConfigError(f"the {type(adapter).__name__} engine cannot verify drafts")
     check_sampling(adapter, max_tokens, top_p)
-    rng = np.random.default_rng(seed)
-    base = adapter.n_tokens  # the prompt: held before the first token
-    prompt = list(adapter.token_ids)
-    drafter: NGramDrafter | None = None  # indexed at the first step that asks for drafts
-    policy = speculation.policy()
-    costs = speculation.costs
+    rng, base = np.random.default_rng(seed), adapter.n_tokens  # base: the prompt, held
+    drafter = _Drafter(list(adapter.token_ids), speculation)
+    policy, costs = speculation.policy(), speculation.costs
     assert costs is not None
-    tokens: list[int] = []
-    kept: list[np.ndarray] = []
-    eos = stopped = False
+    tokens, kept, eos, stopped = list[int](), list[np.ndarray](), False, False
     drafted = accepted = steps = 0
-    fed = 0  # answer tokens the drafter has seen
     step_logits, drafts = [logits], list[int]()
     while True:
         done = False
@@ -162,34 +175,23 @@ def speculative_loop(adapter: KVAdapter, logits: np.ndarray, max_tokens: int, *,
                     constraint.accept(tok)
                 if on_token is not None and on_token(tok) is False:
                     stopped = done = True
-            if done or len(tokens) >= max_tokens:
-                done = True
-                break
-            if not match:
+            if done or len(tokens) >= max_tokens or not match:
+                done = done or len(tokens) >= max_tokens
                 break
         if drafts:
             policy.observe(len(drafts), took)
             accepted += took
         # the engine holds the drafts' cells too: keep the answer's, less its last token
-        want = base + len(tokens) - 1
-        if adapter.n_tokens > want:
-            adapter.truncate(want)
+        if adapter.n_tokens > base + len(tokens) - 1:
+            adapter.truncate(base + len(tokens) - 1)
         if done or not tokens:
             break
         room = max_tokens - len(tokens) - 1
-        k = policy.length(room) if room > 0 else 0
-        drafts = []
-        if k:  # no index built (nor kept up) for an answer that never drafts
-            if drafter is None:
-                drafter, fed = NGramDrafter(prompt, speculation.config), 0
-            drafter.extend(tokens[fed:])
-            fed = len(tokens)
-            drafts = drafter.propose(k)
+        drafts = drafter.propose(tokens, policy.length(room) if room > 0 else 0)
         t0 = time.perf_counter()
         if drafts:
             step_logits = adapter.verify([tokens[-1], *drafts])
-            drafted += len(drafts)
-            steps += 1
+            drafted, steps = drafted + len(drafts), steps + 1
         else:
             step_logits = [adapter.prefill([tokens[-1]], align=1)]
         costs.observe(len(drafts) + 1, time.perf_counter() - t0)

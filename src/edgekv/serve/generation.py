@@ -30,7 +30,7 @@ from ..engines.constraint import Chain, Constraint, Grammar, grammar_constraint
 from ..errors import EdgeKVError, EngineError, PromptError
 from ..keys import KV_SERVER_TENANTS, SERVE_TENANTS
 from ..limits import fit
-from ..request import Request
+from ..request import GenerationResult, Request
 from .decode import IncrementalText
 from .errors import APIError, bad_request, from_library_error
 from .logprobs import LogprobRecorder, TokenLogprob
@@ -260,13 +260,7 @@ class ServedModel:
             lps = () if recorder is None else tuple(recorder.entries[sent:])
             sent += len(lps)
             job.emit(Delta(held, lps))
-        done = time.perf_counter()
-        metrics.observe(prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens,
-                        completion_tokens=len(r.tokens), ttft_s=t0 - job.arrived + r.ttft_s,
-                        e2e_s=done - job.arrived, refused_injection=bool(r.rejections),
-                        streamed_tokens=r.streamed_tokens, computed_tokens=r.computed_tokens,
-                        tier=r.tier, approximate=r.approximate,
-                        passage_reused_tokens=r.passages.reused_tokens if r.passages else 0)
+        self._observe(metrics, r, job, t0)
         reason = "tool_calls" if calls else "stop" if text.stopped else r.finish_reason
         job.emit(Finished(text="" if calls else text.text, finish_reason=reason,
                           prompt_tokens=r.prompt_tokens, completion_tokens=len(r.tokens),
@@ -274,6 +268,17 @@ class ServedModel:
                           logprobs=None if recorder is None else tuple(recorder.entries),
                           tool_calls=tuple(calls or ()), sent_logprobs=sent,
                           edgekv=r.summary()))
+
+    @staticmethod
+    def _observe(metrics: ServeMetrics, r: GenerationResult, job: Job, t0: float) -> None:
+        """One answer into the metrics: its TTFT and end-to-end time from its arrival."""
+        metrics.observe(prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens,
+                        completion_tokens=len(r.tokens), ttft_s=t0 - job.arrived + r.ttft_s,
+                        e2e_s=time.perf_counter() - job.arrived,
+                        refused_injection=bool(r.rejections), streamed_tokens=r.streamed_tokens,
+                        computed_tokens=r.computed_tokens, tier=r.tier,
+                        approximate=r.approximate,
+                        passage_reused_tokens=r.passages.reused_tokens if r.passages else 0)
 
     def _piece(self, token: int) -> bytes:
         """A token's bytes, as the engine has them (llama.cpp's piece: a part of a UTF-8
