@@ -23,9 +23,9 @@ sys.path.insert(0, str(ROOT / "src"))
 
 import numpy as np  # noqa: E402
 
+from edgekv.core.prefix_index import PrefixIndex  # noqa: E402
 from edgekv.fragment import KVFragment  # noqa: E402
 from edgekv.keys import next_key  # noqa: E402
-from edgekv.prefix_index import PrefixIndex  # noqa: E402
 from edgekv.store.memory import MemoryStore  # noqa: E402
 
 

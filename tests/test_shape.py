@@ -94,10 +94,11 @@ def test_the_wheel_holds_no_lab():
 
 
 # the modules one request passes through, from HTTP to the engine and back
-REQUEST_PATH = ("cache.py", "request.py", "limits.py", "lookup.py", "fill.py", "writeback.py",
-                "prefix_index.py", "passages.py", "parallel.py", "engines/shared.py",
-                "engines/spec.py", "serve/app.py", "serve/generation.py", "serve/responses.py",
-                "serve/scheduler.py", "serve/errors.py")
+REQUEST_PATH = ("core/pipeline.py", "core/request.py", "limits.py", "core/match.py",
+                "core/fill.py", "core/writeback.py", "core/prefix_index.py", "core/passages.py",
+                "serve/slots.py", "engines/shared.py", "engines/spec.py", "serve/app.py",
+                "serve/generation.py", "serve/responses.py", "serve/scheduler.py",
+                "serve/errors.py")
 
 
 def test_shape_json():
@@ -124,3 +125,18 @@ def test_shape_json():
                     if f.split(":")[0].removeprefix("src/edgekv/") in REQUEST_PATH]
     assert long_on_path == []
     assert all(Path(ROOT / "src" / "edgekv" / m).is_file() for m in REQUEST_PATH)
+
+
+def test_the_servers_do_not_import_each_other():
+    """serve (the OpenAI server) and kvserver (the KV server) share only `http`; the device's
+    SparKV client (`stream`) imports neither server, and serve does not reach into stream."""
+    graph = shape.import_graph(shape.modules(ROOT / "src", "edgekv"))
+
+    def deps(pkg: str) -> set[str]:
+        return {d for m, ds in graph.items() if m == pkg or m.startswith(pkg + ".") for d in ds}
+
+    assert not any(d.startswith("edgekv.kvserver") for d in deps("edgekv.serve"))
+    assert not any(d.startswith("edgekv.serve") for d in deps("edgekv.kvserver"))
+    assert not any(d.startswith(("edgekv.serve", "edgekv.kvserver"))
+                   for d in deps("edgekv.stream"))
+    assert not any(d.startswith("edgekv.stream") for d in deps("edgekv.serve"))

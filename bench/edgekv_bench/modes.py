@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from edgekv.cache import EdgeKV
+from edgekv.core.pipeline import EdgeKV
 from edgekv.engines.base import EngineCounters
 
 from .baseline import StringCache

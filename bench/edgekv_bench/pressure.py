@@ -50,8 +50,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from edgekv.cache import EdgeKV
 from edgekv.config import CacheConfig
+from edgekv.core.pipeline import EdgeKV
 from edgekv.engines.base import KVAdapter
 from edgekv.store.base import Hit
 from edgekv.store.memory import MemoryStore
@@ -376,9 +376,9 @@ def index_rebuild(chunks: int, tmp: Path, per_chain: int = 100) -> dict[str, Any
     index's size (the allocations of a second, traced rebuild)."""
     import numpy as np
 
+    from edgekv.core.prefix_index import PrefixIndex
     from edgekv.fragment import KVFragment
     from edgekv.keys import next_key
-    from edgekv.prefix_index import PrefixIndex
     from edgekv.store.disk import DiskStore
 
     fp, span = "f" * 64, 64

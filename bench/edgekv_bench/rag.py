@@ -119,7 +119,7 @@ def _parse_budgets(spec: str) -> list[float]:
 def _modes(budgets: Sequence[float]) -> list[tuple[str, str, float]]:
     """(label, policy, budget): budget 0 is one mode (no policy recomputes anything); EPIC
     at every budget, the blend policy at the fractional ones (its k form adds nothing)."""
-    from edgekv.passages import PassagePolicy
+    from edgekv.core.passages import PassagePolicy
 
     modes = [("nocache", "", 0.0), ("prefix", "", 0.0)]
     if 0 in budgets:
@@ -148,8 +148,8 @@ def run_rag_bench(*, requests: int = 30, budgets: str = DEFAULT_BUDGETS, seed: i
                   progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     from edgekv import CacheConfig, EdgeKV, open_store
     from edgekv.config import default_cache_dir
+    from edgekv.core.passages import PassagePolicy
     from edgekv.engines.llamacpp import LlamaCppAdapter
-    from edgekv.passages import PassagePolicy
 
     say = progress or (lambda _m: None)
     adapter = LlamaCppAdapter(model, n_ctx=n_ctx, n_threads=threads)

@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from edgekv.cache import EdgeKV, GenerationResult
 from edgekv.config import CacheConfig
+from edgekv.core.pipeline import EdgeKV, GenerationResult
 from edgekv.store import open_store
 
 from .options import ENGINES, Subparsers, bench_parser, csv, progress

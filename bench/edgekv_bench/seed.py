@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from edgekv.cache import EdgeKV
 from edgekv.chat import ChatTokenizer, render_chat
 from edgekv.config import CacheConfig
+from edgekv.core.pipeline import EdgeKV
 from edgekv.energy import EnergyMeter, joules_to_mah
 from edgekv.errors import ConfigError
 from edgekv.fragment import common_prefix
@@ -86,7 +86,7 @@ def _open_modes(adapter: Any, engine: str, n_ctx: int, threads: int, root: Path,
     """Fill `modes` (and `kvs`, to close) as they open, so a failure closes what is open.
     Returns the strict EdgeKV, whose prefetcher is reported."""
     from edgekv import open_router
-    from edgekv.prefetch import Prefetcher
+    from edgekv.core.prefetch import Prefetcher
 
     min_reuse = CacheConfig().min_reuse_tokens
     model_path, kvpt = str(adapter.model_path), adapter.fingerprint.kv_bytes_per_token

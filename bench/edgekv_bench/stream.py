@@ -43,8 +43,8 @@ from typing import Any
 
 import numpy as np
 
-from edgekv.cache import EdgeKV
 from edgekv.config import CacheConfig
+from edgekv.core.pipeline import EdgeKV
 from edgekv.energy import CPU_W_PER_BUSY_CORE
 from edgekv.store import open_store
 from edgekv.stream.client import KVClient

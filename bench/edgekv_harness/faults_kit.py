@@ -155,7 +155,7 @@ def open_engine(engine: str, model: str | None, cfg: Any, n_ctx: int, semantic: 
     """An EdgeKV on llama.cpp (the matrix) or on the fake engine (the harness's tests) over
     the default RAM + disk store of `cfg`."""
     if engine == "fake":
-        from edgekv.cache import EdgeKV
+        from edgekv.core.pipeline import EdgeKV
         from edgekv.engines.fake import FakeAdapter
         from edgekv.store import open_store
 

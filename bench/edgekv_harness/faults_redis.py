@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from edgekv.cache import EdgeKV
 from edgekv.config import CacheConfig
+from edgekv.core.pipeline import EdgeKV
 from edgekv.errors import StoreError
 from edgekv.fragment import KVFragment
 from edgekv.store.base import FragmentStore, Hit

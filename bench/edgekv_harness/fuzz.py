@@ -754,11 +754,11 @@ class KVHttpTarget(Target):
     PUBLIC = {("GET", "/v1/info"), ("POST", "/v1/session")}
 
     def setup(self) -> None:
-        from edgekv.cache import EdgeKV
         from edgekv.config import CacheConfig
+        from edgekv.core.pipeline import EdgeKV
         from edgekv.engines.fake import FakeAdapter
+        from edgekv.kvserver.server import KVServer
         from edgekv.store.memory import MemoryStore
-        from edgekv.stream.server import KVServer
 
         self.clean_doc = "an answer of 400, 401, 403, 404, 413 or 501 (unknown method)"
         self.seeds = _http_seeds(self.corpus, "kv_http")
@@ -882,8 +882,8 @@ class ServeHttpTarget(Target):
     4xx (429 included); a 5xx, an exception or a 200 without the key is a crash."""
 
     def setup(self) -> None:
-        from edgekv.cache import EdgeKV
         from edgekv.config import CacheConfig
+        from edgekv.core.pipeline import EdgeKV
         from edgekv.engines.fake import FakeAdapter
         from edgekv.serve import ServeOptions, create_app
         from edgekv.store.memory import MemoryStore
@@ -1341,10 +1341,10 @@ def _record_kv_traffic(out: Path, engine: Any, store: Any, name: str, prompt: Se
     """Real client/server traffic through a recording proxy: precompute, availability, chunk
     streams (several requests and two sessions over the same chunks, every codec, missing
     keys), and the requests a tenant and a wrong secret make."""
+    from edgekv.kvserver.server import KVServer
     from edgekv.stream.client import KVClient
     from edgekv.stream.codec import derive_session_keys
     from edgekv.stream.protocol import tenant_secret
-    from edgekv.stream.server import KVServer
 
     srv = KVServer(store, SECRET, fingerprint=engine.fingerprint, model=name,
                    chunk_size=chunk_size, engine=engine)
@@ -1442,8 +1442,8 @@ def build_corpus(out: Path, *, real: bool = True, model: str | None = None,
     traffic; `adapter`: a LlamaCppAdapter to use (left open) instead of loading one."""
     import numpy as np
 
-    from edgekv.cache import EdgeKV
     from edgekv.config import CacheConfig
+    from edgekv.core.pipeline import EdgeKV
     from edgekv.engines.fake import FakeAdapter
     from edgekv.serial import decode_fragment
     from edgekv.store import open_store

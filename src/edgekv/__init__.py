@@ -6,8 +6,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .cache import EdgeKV, GenerationResult, PrefixMatch
 from .config import CacheConfig
+from .core.pipeline import EdgeKV, GenerationResult, PrefixMatch
 from .engines.base import FragmentSpec, KVAdapter
 from .errors import (
     ChunkRejected,
@@ -30,7 +30,7 @@ from .store import FragmentStore, open_store
 if TYPE_CHECKING:
     import numpy as np
 
-    from .request import FillStep
+    from .core.request import FillStep
     from .semantic import Embedder, SemanticRouter
 
 __all__ = [

@@ -15,7 +15,7 @@ from .config import CacheConfig
 from .errors import ConfigError, EdgeKVError, ModelNotFound
 
 if TYPE_CHECKING:
-    from .cache import EdgeKV
+    from .core.pipeline import EdgeKV
     from .engines.base import KVAdapter
 
 __all__ = ["main"]
@@ -68,8 +68,8 @@ def _kv_loader(args: argparse.Namespace) -> Any:
         raise ConfigError("--kv-server and --passage-reuse do not combine yet; use one")
     if args.no_cache:
         raise ConfigError("--no-cache answers every request cold; drop --kv-server")
+    from .kvserver.server import load_secret
     from .stream.hybrid import HybridLoader
-    from .stream.server import load_secret
 
     link = None
     if args.kv_link is not None:
@@ -109,7 +109,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     mode = _prompt_mode(args)
     passages = None
     if args.passage_reuse:
-        from .passages import split_passages
+        from .core.passages import split_passages
 
         passages, prompt = split_passages(prompt)
     t0 = time.perf_counter()
@@ -291,10 +291,10 @@ def cmd_plugin(args: argparse.Namespace) -> int:
 
 
 def cmd_kv_server(args: argparse.Namespace) -> int:
-    from .cache import EdgeKV
-    from .lookup import ChunkReader
+    from .core.match import ChunkReader
+    from .core.pipeline import EdgeKV
+    from .kvserver.server import KVServer, load_secret
     from .store import open_store_url
-    from .stream.server import KVServer, load_secret
 
     cfg = _config(args)
     store = open_store_url(args.store or str(cfg.cache_dir / "kv-server"), cfg.disk_capacity_bytes)

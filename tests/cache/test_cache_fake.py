@@ -14,9 +14,9 @@ from edgekv import (
     IncompatibleFragment,
     open_store,
 )
+from edgekv.core.request import Filled
 from edgekv.engines.fake import FakeAdapter
 from edgekv.engines.shared import aligned_batches, check_injectable
-from edgekv.request import Filled
 
 CONTEXT = "The hub connects lights, thermostats and sensors. " * 6  # ~300 fake tokens
 

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from edgekv import CacheConfig, ConfigError, EdgeKV
+from edgekv.core.prefix_index import PrefixIndex
 from edgekv.engines.fake import FakeAdapter
 from edgekv.fragment import KVFragment
 from edgekv.keys import next_key
-from edgekv.prefix_index import PrefixIndex
 from edgekv.store import DiskStore, MemoryStore, TieredStore, open_store
 
 FP = "fp"

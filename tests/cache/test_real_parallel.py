@@ -11,7 +11,7 @@ import pytest
 
 from edgekv import CacheConfig, EdgeKV, open_store
 from edgekv.engines.models import default_model_path
-from edgekv.parallel import open_slots
+from edgekv.serve.slots import open_slots
 
 from ..conftest import real_stack
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from edgekv import CacheConfig, open_store
+from edgekv.core.passages import PassageReuse
 from edgekv.engines.base import KVAdapter, ModelFile, ShiftableKV, WindowedKV
 from edgekv.engines.fake import FakeAdapter
 from edgekv.errors import UnsupportedLayout
-from edgekv.passages import PassageReuse
 
 from ..passages.test_passages import ShiftingFake
 
@@ -42,7 +42,7 @@ def test_passage_reuse_takes_a_shiftable_adapter_and_refuses_others(tmp_path: Pa
 
 
 def _files() -> list[Path]:
-    return sorted((SRC / "engines").glob("*.py")) + [SRC / "passages.py"]
+    return sorted((SRC / "engines").glob("*.py")) + [SRC / "core" / "passages.py"]
 
 
 def test_no_private_of_another_object_is_reached() -> None:

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 
 from edgekv import IncompatibleFragment, KVFragment
+from edgekv.core.match import ChunkReader
 from edgekv.engines.shared import check_injectable
 from edgekv.engines.window import WindowLayout
 from edgekv.keys import ModelFingerprint, chunk_keys, store_key
-from edgekv.lookup import ChunkReader
 from edgekv.store.memory import MemoryStore
 
 FP = ModelFingerprint("0" * 64, "gemma3", 6, 1, 4, 4, "f16", "test")

@@ -9,17 +9,17 @@ import numpy as np
 import pytest
 
 from edgekv import CacheConfig, EdgeKV, open_store
-from edgekv.engines.fake import FakeAdapter, ShiftingFakeAdapter
-from edgekv.engines.llamacpp_shift import RopeSpec
-from edgekv.errors import ConfigError, EdgeKVError, UnsupportedLayout
-from edgekv.keys import chunk_keys, passage_key
-from edgekv.passages import (
+from edgekv.core.passages import (
     PASSAGE_SEPARATOR,
     PassageLayout,
     PassagePolicy,
     PassageSpan,
     split_passages,
 )
+from edgekv.engines.fake import FakeAdapter, ShiftingFakeAdapter
+from edgekv.engines.llamacpp_shift import RopeSpec
+from edgekv.errors import ConfigError, EdgeKVError, UnsupportedLayout
+from edgekv.keys import chunk_keys, passage_key
 from edgekv.store.base import check_key
 
 ShiftingFake = ShiftingFakeAdapter  # the fake engine with a passage engine

@@ -150,7 +150,7 @@ def test_sliding_window_models_are_refused(tmp_path):
 
 
 def test_the_cli_marks_passages_with_the_separator(tmp_path: Path):
-    from edgekv.passages import PASSAGE_SEPARATOR, split_passages
+    from edgekv.core.passages import PASSAGE_SEPARATOR, split_passages
 
     passages, question = split_passages(PASSAGE_SEPARATOR.join([*PASSAGES, QUESTION]))
     assert passages == PASSAGES and question == QUESTION

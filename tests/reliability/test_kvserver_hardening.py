@@ -23,6 +23,7 @@ import pytest
 
 from edgekv import CacheConfig, ChunkRejected, EdgeKV, TransportError, open_store
 from edgekv.engines.fake import FakeAdapter
+from edgekv.kvserver.server import KVServer, Limits, load_secret
 from edgekv.stream.client import KVClient
 from edgekv.stream.codec import SessionCipher, decode_chunk, derive_session_keys
 from edgekv.stream.costmodel import CostModel
@@ -34,7 +35,6 @@ from edgekv.stream.protocol import (
     request_mac,
     tenant_secret,
 )
-from edgekv.stream.server import KVServer, Limits, load_secret
 from tests.stream.loaderkit import Device
 
 from ..conftest import real_stack

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 
 from edgekv import CacheConfig, EdgeKV, open_router, open_store
-from edgekv.compactor import merge_heads
+from edgekv.core.prefetch import NgramPredictor, Prefetcher
 from edgekv.engines.fake import FakeAdapter
-from edgekv.prefetch import NgramPredictor, Prefetcher
 from edgekv.semantic import HashEmbedder
+from edgekv.store.compactor import merge_heads
 from edgekv_bench.baseline import StringCache
 
 CONTEXT = ("System: you are the assistant of the Lumen hub. Manual: the hub connects lights, "

@@ -18,8 +18,8 @@ import httpx  # noqa: E402
 import openai  # noqa: E402
 
 from edgekv import CacheConfig, EdgeKV, open_router, open_store  # noqa: E402
+from edgekv.core.prefetch import Prefetcher  # noqa: E402
 from edgekv.engines.fake import FakePassages  # noqa: E402
-from edgekv.prefetch import Prefetcher  # noqa: E402
 from edgekv.semantic import HashEmbedder  # noqa: E402
 
 from .servekit import ChatFake, live_server, metric, sse_chunks  # noqa: E402

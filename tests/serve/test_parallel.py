@@ -18,9 +18,9 @@ import httpx  # noqa: E402
 
 from edgekv import CacheConfig, EdgeKV, open_store  # noqa: E402
 from edgekv.errors import ConfigError, EdgeKVError  # noqa: E402
-from edgekv.parallel import open_slots  # noqa: E402
 from edgekv.serve import ServeOptions  # noqa: E402
 from edgekv.serve.scheduler import Job, Scheduler  # noqa: E402
+from edgekv.serve.slots import open_slots  # noqa: E402
 
 from .servekit import ChatFake, live_server, metric  # noqa: E402
 

@@ -257,7 +257,7 @@ def test_a_refused_request_logs_its_type_not_its_message(kv, monkeypatch, caplog
 
 
 def test_the_kv_server_logs_by_the_same_policy(caplog):
-    from edgekv.stream import server
+    from edgekv.kvserver import server
 
     try:
         raise _Boom("a message with request data")

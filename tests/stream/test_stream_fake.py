@@ -11,11 +11,11 @@ import pytest
 from edgekv import CacheConfig, ChunkRejected, EdgeKV, EdgeKVError, open_store
 from edgekv.engines.fake import FakeAdapter
 from edgekv.keys import store_key
+from edgekv.kvserver.server import KVServer
 from edgekv.stream.client import KVClient
 from edgekv.stream.codec import SessionCipher, decode_chunk, encode_chunk, quantize_error
 from edgekv.stream.costmodel import CostModel
 from edgekv.stream.planner import plan, simulate
-from edgekv.stream.server import KVServer
 from edgekv.stream.shaper import Shaper
 from tests.stream.loaderkit import Device
 

@@ -29,16 +29,15 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from ..cache import EdgeKV
+from ..core.pipeline import EdgeKV
+from ..core.prefetch import Prefetcher
+from ..core.request import LinkStats
 from ..engines.base import KernelSettings, ModelFile
 from ..engines.constraint import Grammar
 from ..engines.probe import ProbeFinisher
 from ..errors import ConfigError
-from ..parallel import Slots, open_slots
-from ..prefetch import Prefetcher
 from ..store.base import StoreStats
 from ..store.tiered import TieredStore
-from ..stream.hybrid import HybridLoader
 from .errors import (
     CLIENT_GONE,
     APIError,
@@ -53,6 +52,7 @@ from .metrics import CONTENT_TYPE, CountResponses, ServeMetrics
 from .responses import DONE, TIER_HEADER, CompletionShape, EventStream, sse
 from .scheduler import Job, Scheduler
 from .schemas import ChatRequest, CompletionRequest, parse_request
+from .slots import Slots, open_slots
 from .structured import response_grammar
 from .tools import ToolPlan, chat_prompt, plan_tools
 from .ui import mount
@@ -219,7 +219,7 @@ class _Server:
 
     def _kv_server_stats(self) -> dict[str, float] | None:
         fill = None if self.served is None else self.served.kv.fill
-        return fill.stats() if isinstance(fill, HybridLoader) else None
+        return fill.stats() if isinstance(fill, LinkStats) else None
 
     # -- handlers --------------------------------------------------------------------------
 

@@ -11,16 +11,16 @@ from typing import Any
 
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse
 
 from ..errors import ConfigError, EdgeKVError, PromptError
+from ..http.errors import CLIENT_GONE, client_gone_response
 
 __all__ = [
     "APIError", "CLIENT_GONE", "api_error_response", "bad_request", "client_gone_response",
     "from_library_error", "http_error_response",
 ]
 
-CLIENT_GONE = 499  # nginx's "client closed request": nobody reads it, the metrics count it
 
 
 class APIError(Exception):
@@ -74,8 +74,3 @@ async def http_error_response(request: Request, e: HTTPException) -> JSONRespons
         msg, code = str(e.detail), None
     return JSONResponse(APIError(e.status_code, msg, code=code).body(),
                         status_code=e.status_code, headers=e.headers)
-
-
-async def client_gone_response(request: Request, e: Exception) -> Response:
-    """The client hung up while sending its body: nothing to answer, only to count."""
-    return Response(status_code=CLIENT_GONE)

@@ -23,14 +23,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..cache import EdgeKV
 from ..chat import ChatTokenizer
+from ..core.pipeline import EdgeKV
+from ..core.request import GenerationResult, Request
 from ..engines.base import KVAdapter
 from ..engines.constraint import Chain, Constraint, Grammar, grammar_constraint
 from ..errors import EdgeKVError, EngineError, PromptError
 from ..keys import KV_SERVER_TENANTS, SERVE_TENANTS
 from ..limits import fit
-from ..request import GenerationResult, Request
 from .decode import IncrementalText
 from .errors import APIError, bad_request, from_library_error
 from .logprobs import LogprobRecorder, TokenLogprob

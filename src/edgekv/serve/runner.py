@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-import socket
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
-from ..cache import EdgeKV
 from ..config import CacheConfig
+from ..core.pipeline import EdgeKV
+from ..core.request import FillStep
 from ..errors import EdgeKVError, EngineError
-from ..request import FillStep
+from ..http.binding import bind, uvicorn_server
 from .app import ServeOptions, create_app
 
 if TYPE_CHECKING:
@@ -47,38 +47,6 @@ def load_edgekv(model: str | Path | None, config: CacheConfig, *, n_ctx: int = 2
     return open_llamacpp(model, config, n_ctx=n_ctx, engine=engine, n_threads=n_threads,
                          semantic=semantic, prefetch=prefetch, fill=fill, store_url=store_url,
                          staged_probe=staged_probe, **kwargs)
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on host:port (0 picks a free port)."""
-    family, kind, proto, _, addr = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(addr)
-    except OSError as e:
-        sock.close()
-        raise EdgeKVError(f"cannot listen on {host}:{port} ({e}); pick another --port "
-                          "(0 picks a free one)") from None
-    sock.listen(128)
-    return sock
-
-
-def uvicorn_server(app: Any, *, log_level: str | None = "warning",
-                   lifespan: Literal["auto", "on", "off"] = "on",
-                   graceful_s: int = 5, host_logging: bool = False) -> uvicorn.Server:
-    """uvicorn as both of EdgeKV's servers run it (no websockets), to be run on a socket from
-    `bind`: `server.run(sockets=[sock])`; `server.should_exit = True` stops it, letting
-    requests in flight finish for up to `graceful_s` seconds. `host_logging`: leave logging
-    to the host process (uvicorn's loggers propagate to its handlers) instead of installing
-    uvicorn's own configuration; `log_level=None` then leaves their levels alone too."""
-    import uvicorn
-
-    own: dict[str, Any] = {} if not host_logging else {"log_config": None}
-    return uvicorn.Server(uvicorn.Config(
-        app, log_level=log_level, access_log=log_level == "info", ws="none",
-        lifespan=lifespan, timeout_graceful_shutdown=graceful_s, **own))
 
 
 def run(load: Callable[[], EdgeKV], *, model_id: str, options: ServeOptions,

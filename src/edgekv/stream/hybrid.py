@@ -33,10 +33,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, cast
 
+from ..core.request import Filled, FillRequest
 from ..errors import ChunkRejected, ConfigError, EdgeKVError, IncompatibleFragment, TransportError
 from ..fragment import KVFragment
 from ..keys import KV_SERVER_TENANTS, tenant_root
-from ..request import Filled, FillRequest
 from .client import BackgroundStream, KVClient, Received
 from .costmodel import CostModel
 from .planner import COMPUTE, LOCAL, STREAM, ChunkAction, Plan, plan

@@ -27,13 +27,13 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .cache import EdgeKV
-from .engines.base import KVAdapter
-from .errors import EdgeKVError
-from .fill import LocalPrefill
+from ..core.fill import LocalPrefill
+from ..core.pipeline import EdgeKV
+from ..engines.base import KVAdapter
+from ..errors import EdgeKVError
 
 if TYPE_CHECKING:
-    from .engines.llamacpp_slots import SlotPool
+    from ..engines.llamacpp_slots import SlotPool
 
 __all__ = ["Slots", "open_slots"]
 
@@ -81,8 +81,8 @@ def open_slots(kv: EdgeKV, requested: int) -> Slots:
         return Slots(1, (), "one request at a time (--parallel 1)")
     why = _refusal(kv)
     if why is None:
-        from .engines.llamacpp import LlamaCppAdapter
-        from .engines.llamacpp_slots import SlotPool
+        from ..engines.llamacpp import LlamaCppAdapter
+        from ..engines.llamacpp_slots import SlotPool
 
         assert isinstance(kv.adapter, LlamaCppAdapter)
         try:
@@ -101,7 +101,7 @@ def open_slots(kv: EdgeKV, requested: int) -> Slots:
 
 def _refusal(kv: EdgeKV) -> str | None:
     """Why `kv`'s requests cannot be batched exactly; None where they can."""
-    from .engines.llamacpp import LlamaCppAdapter
+    from ..engines.llamacpp import LlamaCppAdapter
 
     if not isinstance(kv.adapter, LlamaCppAdapter):
         return (f"the {type(kv.adapter).__name__} engine has no sequence ids to batch "

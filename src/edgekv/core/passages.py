@@ -37,15 +37,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .engines.base import FragmentSpec, KVAdapter, PassageEngine, ShiftableKV
-from .errors import ConfigError, EdgeKVError, PromptError, UnsupportedLayout
-from .fragment import MAX_SPAN, PASSAGE_MIN_SPAN, PASSAGE_PARENT, KVFragment
-from .keys import passage_key
-from .limits import fit
+from ..engines.base import FragmentSpec, KVAdapter, PassageEngine, ShiftableKV
+from ..errors import ConfigError, EdgeKVError, PromptError, UnsupportedLayout
+from ..fragment import MAX_SPAN, PASSAGE_MIN_SPAN, PASSAGE_PARENT, KVFragment
+from ..keys import passage_key
+from ..limits import fit
 
 if TYPE_CHECKING:
-    from .config import CacheConfig
-    from .store.base import FragmentStore
+    from ..config import CacheConfig
+    from ..store.base import FragmentStore
 
 __all__ = ["PASSAGE_SEPARATOR", "POLICIES", "PassageEngine", "PassageLayout", "PassagePolicy",
            "PassageReport", "PassageReuse", "PlacedRun", "split_passages"]

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import FragmentError
-from .fragment import KVFragment
-from .store.base import FragmentStore
+from ..errors import FragmentError
+from ..fragment import KVFragment
+from .base import FragmentStore
 
 __all__ = ["CompactionReport", "compact", "merge_heads", "merge_layers"]
 

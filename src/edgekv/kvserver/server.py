@@ -1,7 +1,7 @@
 """`edgekv kv-server`: holds precomputed KV chunks and streams them, encrypted, by chunk key.
 
 A real HTTP server (loopback by default) on the project's one HTTP stack: a FastAPI app run
-by uvicorn, on a socket bound by `serve.runner.bind` before it serves, in the foreground
+by uvicorn, on a socket bound by `http.binding.bind` before it serves, in the foreground
 (`serve_forever`) or on a background thread (`start_background`). Store reads, precompute and
 encryption run in Starlette's threadpool, never on the event loop; a chunk stream is a
 `StreamingResponse` that reads, seals and sends one chunk per frame as the client takes them.
@@ -56,18 +56,18 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
-from ..compactor import merge_layers
 from ..config import config_default
+from ..core.match import ChunkReader
 from ..errorlog import log_internal_error
 from ..errors import EdgeKVError
 from ..fragment import KVFragment
+from ..http.binding import bind, uvicorn_server
+from ..http.errors import client_gone_response
 from ..keys import KV_SERVER_TENANTS, next_key, tenant_root
-from ..lookup import ChunkReader
-from ..serve.errors import client_gone_response
-from ..serve.runner import bind, uvicorn_server
 from ..store.base import FragmentStore
-from .codec import LEVELS, SessionCipher, derive_session_keys, encode_chunk
-from .protocol import (
+from ..store.compactor import merge_layers
+from ..stream.codec import LEVELS, SessionCipher, derive_session_keys, encode_chunk
+from ..stream.protocol import (
     FRAME,
     MISSING,
     OK,

@@ -28,14 +28,14 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from .errors import IncompatibleFragment
-from .fragment import KVFragment
-from .keys import ModelFingerprint, StoreKey, next_key
+from ..errors import IncompatibleFragment
+from ..fragment import KVFragment
+from ..keys import ModelFingerprint, StoreKey, next_key
+from ..store.base import FragmentStore, Hit
 from .prefix_index import Lease, PrefixIndex
-from .store.base import FragmentStore, Hit
 
 if TYPE_CHECKING:
-    from .semantic.router import Route
+    from ..semantic.router import Route
 
 __all__ = ["Chunk", "ChunkReader", "PrefixMatch", "PrefixMatcher", "Router"]
 

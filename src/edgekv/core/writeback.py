@@ -19,17 +19,17 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .config import CacheConfig
-from .engines.base import FragmentSpec, KVAdapter
-from .errors import EngineError, FragmentError, StoreError
-from .fragment import KVFragment, next_expiry
-from .keys import chain_of, next_key
-from .lookup import ChunkReader, PrefixMatch, Router
+from ..config import CacheConfig
+from ..engines.base import FragmentSpec, KVAdapter
+from ..errors import EngineError, FragmentError, StoreError
+from ..fragment import KVFragment, next_expiry
+from ..keys import chain_of, next_key
+from ..store.disk import make_private
+from .match import ChunkReader, PrefixMatch, Router
 from .prefix_index import PrefixIndex
-from .store.disk import make_private
 
 if TYPE_CHECKING:
-    from .semantic.router import Route
+    from ..semantic.router import Route
 
 __all__ = ["Writeback"]
 

@@ -43,10 +43,10 @@ from functools import partial
 
 import numpy as np
 
-from .errors import StoreError
-from .fragment import common_prefix
-from .keys import next_key
-from .store.base import FragmentStore
+from ..errors import StoreError
+from ..fragment import common_prefix
+from ..keys import next_key
+from ..store.base import FragmentStore
 
 __all__ = ["Lease", "Node", "PrefixIndex", "Successor"]
 

@@ -25,29 +25,30 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .config import CacheConfig
-from .engines.base import Generation, KVAdapter, TokenCallback, WindowedKV
-from .engines.probe import (
+from ..config import CacheConfig
+from ..engines.base import Generation, KVAdapter, TokenCallback, WindowedKV
+from ..engines.probe import (
     ProbeFinisher,
     ProbeResult,
     finish_later,
     load_or_probe,
     speculation_check,
 )
-from .engines.probe import finish_probe as finish_pending
-from .engines.probe import record as record_probe
-from .engines.spec import Speculation
-from .errors import (
+from ..engines.probe import finish_probe as finish_pending
+from ..engines.probe import record as record_probe
+from ..engines.spec import Speculation
+from ..errors import (
     ChunkRejected,
     ConfigError,
     EdgeKVError,
     EngineError,
     IncompatibleFragment,
 )
+from ..fragment import KVFragment
+from ..keys import KV_SERVER_TENANTS, ChunkKey, chunk_keys, tenant_root
+from ..store.base import FragmentStore
 from .fill import LocalPrefill, PassagePlacement
-from .fragment import KVFragment
-from .keys import KV_SERVER_TENANTS, ChunkKey, chunk_keys, tenant_root
-from .lookup import Chunk, ChunkReader, PrefixMatch, PrefixMatcher, Router
+from .match import Chunk, ChunkReader, PrefixMatch, PrefixMatcher, Router
 from .passages import PassageReuse
 from .prefix_index import PrefixIndex
 from .request import (
@@ -61,7 +62,6 @@ from .request import (
     Sampling,
     prepare_tokens,
 )
-from .store.base import FragmentStore
 from .writeback import Writeback
 
 __all__ = ["EdgeKV", "GenerationResult", "PrefetchHook", "PrefixMatch", "Request"]
@@ -69,7 +69,7 @@ __all__ = ["EdgeKV", "GenerationResult", "PrefetchHook", "PrefixMatch", "Request
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from .semantic.router import Route
+    from ..semantic.router import Route
 
 log = logging.getLogger(__name__)
 
@@ -647,7 +647,7 @@ class EdgeKV:
         return self.writeback.warm_chain(chain_key)
 
     def compact(self) -> object:
-        from .compactor import compact
+        from ..store.compactor import compact
 
         fp = self.adapter.fingerprint
         report = compact(self.store, n_layer=fp.n_layer, n_head_kv=fp.n_head_kv)

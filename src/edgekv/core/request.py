@@ -13,23 +13,23 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TypedDict
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict, runtime_checkable
 
 import numpy as np
 
-from .engines.base import KVAdapter
-from .errors import PromptError
-from .fragment import KVFragment
-from .keys import ChunkKey
-from .limits import fit
-from .lookup import PrefixMatch
+from ..engines.base import KVAdapter
+from ..errors import PromptError
+from ..fragment import KVFragment
+from ..keys import ChunkKey
+from ..limits import fit
+from .match import PrefixMatch
 from .passages import PassageLayout, PassagePolicy, PassageReport
 
 if TYPE_CHECKING:
-    from .config import CacheConfig
-    from .engines.constraint import Constraint
+    from ..config import CacheConfig
+    from ..engines.constraint import Constraint
 
-__all__ = ["FillRequest", "FillStep", "Filled", "GenerationResult", "PrefetchHook",
+__all__ = ["FillRequest", "FillStep", "Filled", "GenerationResult", "LinkStats", "PrefetchHook",
            "PromptError", "Request", "RequestOptions", "Sampling", "fit", "prepare_tokens"]
 
 
@@ -172,6 +172,14 @@ class FillStep(Protocol):
 
     def close(self) -> None:
         """The `EdgeKV` closes: finish what the step still does in the background."""
+
+
+@runtime_checkable
+class LinkStats(Protocol):
+    """A fill step that reads KV over a link (SparKV's `stream.hybrid.HybridLoader`) reports
+    what the link did: a server shows it in /metrics without knowing the step's type."""
+
+    def stats(self) -> dict[str, float]: ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 from .request import Filled, FillRequest
 
 if TYPE_CHECKING:
-    from .config import CacheConfig
-    from .engines.base import KVAdapter
+    from ..config import CacheConfig
+    from ..engines.base import KVAdapter
     from .passages import PassageReuse
 
 __all__ = ["LocalPrefill", "PassagePlacement"]
