@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .config import CacheConfig
+from .config import CacheConfig, KVServerConfig
 from .errors import ConfigError, EdgeKVError, ModelNotFound
 
 if TYPE_CHECKING:
@@ -310,7 +310,7 @@ def cmd_kv_server(args: argparse.Namespace) -> int:
     server = KVServer(store, secret, fingerprint=adapter.fingerprint.digest,
                       model=adapter.model_path.name, chunk_size=cfg.chunk_size, engine=engine,
                       reader=reader, host=args.host, port=args.port,
-                      session_ttl_s=cfg.kv_session_ttl_s)
+                      session_ttl_s=KVServerConfig.from_env().session_ttl_s)
     host, port = server.address
     shown = f"[{host}]" if ":" in host else host  # an IPv6 address, as a URL needs it
     print(f"kv-server listening on http://{shown}:{port} (store {args.store or 'disk'}, "

@@ -1,4 +1,9 @@
-"""One configuration object for the cache; every number says where it comes from."""
+"""The configuration, one object per part, every number saying where it comes from: the
+cache's own (`CacheConfig`: chunks, tiers, reuse, semantic routing, passages, decoding), the
+device's SparKV client (`StreamConfig`) and the KV server (`KVServerConfig`). Each reads
+`EDGEKV_<NAME>` variables (`from_env`); a field's NAME is its part's prefix and the field
+(`stream_timeout_s` is `StreamConfig.timeout_s`, `kv_session_ttl_s` `KVServerConfig.session_ttl_s`),
+as when the three were one object."""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ from typing import Any
 from .errors import ConfigError
 from .fragment import MAX_SPAN, MIN_SPAN
 
-__all__ = ["CacheConfig", "config_default", "default_cache_dir"]
+__all__ = ["CacheConfig", "KVServerConfig", "StreamConfig", "config_default", "default_cache_dir"]
 
 MIB = 1024 * 1024
 
@@ -82,22 +87,6 @@ class CacheConfig:
     # not after every request (also on sweep, clear, compaction and close); entries lost in a
     # crash only lower approximate-mode recall until a rebuild: strict reuse never reads it.
     index_save_every: int = 16
-    # KV client (SparKV): connect and per-read timeout. A read that makes no progress this long
-    # is a stalled server: the device computes the rest itself.
-    stream_timeout_s: float = 5.0
-    # How long one streamed chunk may keep the device idle, in multiples of the client timeout
-    # (plus twice its predicted transfer time): a server that trickles bytes never trips the
-    # per-read timeout, so the wait itself has a deadline. The all-stream baseline waits for
-    # every chunk by design, so it gets the longer one.
-    stream_wait_timeouts: float = 2.0
-    stream_patient_wait_timeouts: float = 10.0
-    # Times the hybrid executor may re-plan from measured throughput in one request: each
-    # re-plan opens a new stream (a round trip), and three cover a link estimate that is off
-    # in either direction without letting a flapping link re-plan every chunk.
-    stream_max_replans: int = 3
-    # KV server: a session's AES-GCM key is forgotten this long after it was opened; the
-    # client then opens a new one (one extra round trip an hour).
-    kv_session_ttl_s: float = 3600.0
     # Speculative decoding (engines/spec.py): "ngram" drafts tokens from n-grams of the
     # request's own prompt and answer and verifies them in one batch, the output bit-identical
     # to plain decoding; only where the batch-invariance probe's draft schedule passes (else
@@ -142,12 +131,7 @@ class CacheConfig:
                               "step) or 'ngram' (n-gram drafts verified in one batch)")
         if self.semantic_k < 1:
             raise ConfigError(f"semantic_k={self.semantic_k} must be >= 1")
-        for name in ("index_save_every", "stream_timeout_s", "stream_wait_timeouts",
-                     "stream_patient_wait_timeouts", "kv_session_ttl_s"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name}={getattr(self, name)} must be > 0")
-        if self.stream_max_replans < 0:
-            raise ConfigError(f"stream_max_replans={self.stream_max_replans} must be >= 0")
+        _positive(self, "", ("index_save_every",))
         object.__setattr__(self, "cache_dir", Path(self.cache_dir))
 
     @classmethod
@@ -155,30 +139,98 @@ class CacheConfig:
         """Read `EDGEKV_<FIELD>` variables (e.g. `EDGEKV_CHUNK_SIZE=256`), then apply overrides.
         Each is parsed by its field's type: numbers, booleans (1/true/yes/on), lower-case
         words (`reuse_granularity`); the cache directory comes from `default_cache_dir`."""
-        values: dict[str, object] = {}
-        for f in fields(cls):
-            raw = os.environ.get(f"EDGEKV_{f.name.upper()}")
-            if raw is None or f.name == "cache_dir":
-                continue
-            kind = str(f.type)  # the annotation's text (annotations are postponed)
-            try:
-                if kind == "bool":
-                    values[f.name] = raw.strip().lower() in ("1", "true", "yes", "on")
-                elif kind == "float":
-                    values[f.name] = float(raw)
-                elif kind == "int":
-                    values[f.name] = int(raw)
-                else:
-                    values[f.name] = raw.strip().lower()
-            except ValueError:
-                raise ConfigError(f"EDGEKV_{f.name.upper()}={raw!r} is not a number") from None
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)  # type: ignore[arg-type]
+        return cls(**_env_values(cls, "", overrides))  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True)
+class StreamConfig:
+    """The device's SparKV client (`stream.client`, `stream.hybrid`); `EDGEKV_STREAM_<FIELD>`."""
+
+    PREFIX = "stream_"
+    # connect and per-read timeout. A read that makes no progress this long is a stalled
+    # server: the device computes the rest itself.
+    timeout_s: float = 5.0
+    # How long one streamed chunk may keep the device idle, in multiples of the client timeout
+    # (plus twice its predicted transfer time): a server that trickles bytes never trips the
+    # per-read timeout, so the wait itself has a deadline. The all-stream baseline waits for
+    # every chunk by design, so it gets the longer one.
+    wait_timeouts: float = 2.0
+    patient_wait_timeouts: float = 10.0
+    # Times the hybrid executor may re-plan from measured throughput in one request: each
+    # re-plan opens a new stream (a round trip), and three cover a link estimate that is off
+    # in either direction without letting a flapping link re-plan every chunk.
+    max_replans: int = 3
+
+    def __post_init__(self) -> None:
+        _positive(self, self.PREFIX, ("timeout_s", "wait_timeouts", "patient_wait_timeouts"))
+        if self.max_replans < 0:
+            raise ConfigError(f"stream_max_replans={self.max_replans} must be >= 0")
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> StreamConfig:
+        return cls(**_env_values(cls, cls.PREFIX, overrides))  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True)
+class KVServerConfig:
+    """The KV server (`kvserver`, `edgekv kv-server`); `EDGEKV_KV_<FIELD>`."""
+
+    PREFIX = "kv_"
+    # a session's AES-GCM key is forgotten this long after it was opened; the client then
+    # opens a new one (one extra round trip an hour).
+    session_ttl_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        _positive(self, self.PREFIX, ("session_ttl_s",))
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> KVServerConfig:
+        return cls(**_env_values(cls, cls.PREFIX, overrides))  # type: ignore[arg-type]
+
+
+_Config = CacheConfig | StreamConfig | KVServerConfig
+PARTS: tuple[type[_Config], ...] = (CacheConfig, StreamConfig, KVServerConfig)
+
+
+def _positive(cfg: _Config, prefix: str, names: tuple[str, ...]) -> None:
+    for name in names:
+        if not getattr(cfg, name) > 0:
+            raise ConfigError(f"{prefix}{name}={getattr(cfg, name)} must be > 0")
+
+
+def _env_values(cls: type[_Config], prefix: str, overrides: dict[str, object]
+                ) -> dict[str, object]:
+    """`EDGEKV_<PREFIX><FIELD>` of each field of `cls`, parsed by the field's type, then the
+    overrides that are not None."""
+    values: dict[str, object] = {}
+    for f in fields(cls):
+        name = f"EDGEKV_{(prefix + f.name).upper()}"
+        raw = os.environ.get(name)
+        if raw is None or f.name == "cache_dir":
+            continue
+        kind = str(f.type)  # the annotation's text (annotations are postponed)
+        try:
+            if kind == "bool":
+                values[f.name] = raw.strip().lower() in ("1", "true", "yes", "on")
+            elif kind == "float":
+                values[f.name] = float(raw)
+            elif kind == "int":
+                values[f.name] = int(raw)
+            else:
+                values[f.name] = raw.strip().lower()
+        except ValueError:
+            raise ConfigError(f"{name}={raw!r} is not a number") from None
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return values
 
 
 def config_default(name: str) -> Any:
-    """The default of `CacheConfig.<name>`, for objects built without a config (`KVClient`)."""
-    for f in fields(CacheConfig):
-        if f.name == name:
-            return f.default
-    raise ConfigError(f"CacheConfig has no field {name!r}")
+    """The default of a setting by its environment name less `EDGEKV_`, lower case
+    (`chunk_size`, `stream_timeout_s`, `kv_session_ttl_s`), for objects built without a
+    config."""
+    for part in PARTS:
+        prefix = getattr(part, "PREFIX", "")
+        for f in fields(part):
+            if prefix + f.name == name:
+                return f.default
+    raise ConfigError(f"no setting {name!r} (CacheConfig, StreamConfig, KVServerConfig)")

@@ -56,7 +56,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
-from ..config import config_default
+from ..config import KVServerConfig
 from ..core.match import ChunkReader
 from ..errorlog import log_internal_error
 from ..errors import EdgeKVError
@@ -388,7 +388,8 @@ class KVServer:
     """`reader` reads `store`'s chunks (`ChunkReader.for_model`); with an engine (an `EdgeKV`
     over the same store) it defaults to the engine's. `secret` is the master secret (tenant
     "" uses it; see `protocol.tenant_secret`). `session_ttl_s`: see
-    `CacheConfig.kv_session_ttl_s` (its default). `limits`: see `Limits`."""
+    `KVServerConfig.session_ttl_s` (its default, `EDGEKV_KV_SESSION_TTL_S`). `limits`: see
+    `Limits`."""
 
     OWNER_MEMO = 16384  # chunk keys whose tenant chain is known, kept (LRU)
     MAX_CHAIN = 8192  # chunks followed back to a chain's root before giving up
@@ -406,8 +407,8 @@ class KVServer:
         self.store, self.secret, self.engine, self.reader = store, secret, engine, reader
         self.fingerprint, self.model, self.chunk_size = fingerprint, model, chunk_size
         self.limits = limits or Limits()
-        self.session_ttl_s = (config_default("kv_session_ttl_s") if session_ttl_s is None
-                              else session_ttl_s)  # CacheConfig.kv_session_ttl_s
+        self.session_ttl_s = (KVServerConfig.from_env().session_ttl_s if session_ttl_s is None
+                              else session_ttl_s)
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
         self._nonces: OrderedDict[bytes, float] = OrderedDict()  # session opens seen
         self._owner: OrderedDict[str, str] = OrderedDict()  # chunk key -> its chain's root

@@ -56,7 +56,7 @@ class KVClient:
 
     url: str
     secret: bytes = field(repr=False)
-    # connect and per-read (stall) timeout; default: CacheConfig.stream_timeout_s
+    # connect and per-read (stall) timeout; default: StreamConfig.timeout_s
     timeout_s: float = config_default("stream_timeout_s")
     shaper: Shaper | None = None
     tenant: str = ""

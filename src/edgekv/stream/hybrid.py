@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, cast
 
+from ..config import StreamConfig
 from ..core.request import Filled, FillRequest
 from ..errors import ChunkRejected, ConfigError, EdgeKVError, IncompatibleFragment, TransportError
 from ..fragment import KVFragment
@@ -109,8 +110,10 @@ class HybridLoader:
 
     def __init__(self, client: KVClient | None, cost: CostModel | None = None, *,
                  strategy: str = "hybrid", codec: str = "f16", objective: str = "ttft",
-                 max_replans: int | None = None, publish: bool = False) -> None:
-        """`max_replans`: default `CacheConfig.stream_max_replans`. `publish`: after a request
+                 max_replans: int | None = None, publish: bool = False,
+                 settings: StreamConfig | None = None) -> None:
+        """`settings`: the client's timeouts and re-plans (default `StreamConfig.from_env()`);
+        `max_replans` overrides its `max_replans`. `publish`: after a request
         that computed chunks here, ask the server (in the background, off the request path)
         to precompute its prompt, so that the next device that sends it streams them."""
         if strategy not in STRATEGIES:
@@ -121,7 +124,8 @@ class HybridLoader:
         self._publishing: list[threading.Thread] = []
         self.cost = cost or CostModel()
         self.codec, self.objective = codec, objective
-        self._max_replans = max_replans
+        self.settings = settings or StreamConfig.from_env()
+        self.max_replans = self.settings.max_replans if max_replans is None else max_replans
         self.fingerprint = ""
         self.server_ok: str | None = None  # reason streaming is off, if it is
         self.rtt_measured_s: float | None = None  # the /v1/info round trip, once measured
@@ -155,8 +159,6 @@ class HybridLoader:
         # publish); another tenant's request computes here, as with no server
         self.root = tenant_root(self.fingerprint, self.client.tenant if self.client else "",
                                 KV_SERVER_TENANTS)
-        self.max_replans = (config.stream_max_replans if self._max_replans is None
-                            else self._max_replans)
         if self.client is None:
             self._ready.set()
         else:
@@ -398,8 +400,8 @@ class HybridLoader:
         since = run.waiting_since.setdefault(pos, time.perf_counter())
         # how long this chunk may keep the device idle: a trickling server never trips the
         # per-read timeout, so the wait itself has a deadline
-        cfg = self.config
-        timeouts = cfg.stream_patient_wait_timeouts if run.patient else cfg.stream_wait_timeouts
+        timeouts = (self.settings.patient_wait_timeouts if run.patient
+                    else self.settings.wait_timeouts)
         budget = timeouts * self.client.timeout_s + 2 * wait
         if time.perf_counter() - since > budget:
             run.res.fallback = f"chunk {pos} not delivered within {budget:.1f}s"
