@@ -31,7 +31,7 @@ from starlette.responses import JSONResponse, Response
 
 from ..core.pipeline import EdgeKV
 from ..core.prefetch import Prefetcher
-from ..core.request import LinkStats
+from ..core.request import LinkStats, Sampling
 from ..engines.base import KernelSettings, ModelFile
 from ..engines.constraint import Grammar
 from ..engines.probe import ProbeFinisher
@@ -46,7 +46,7 @@ from .errors import (
     client_gone_response,
     http_error_response,
 )
-from .generation import Delta, Finished, GenRequest, ServedModel
+from .generation import Delta, Finished, ServedModel
 from .guard import Tenant, authenticate, read_body, wait_disconnect
 from .metrics import CONTENT_TYPE, CountResponses, ServeMetrics
 from .responses import DONE, TIER_HEADER, CompletionShape, EventStream, sse
@@ -348,12 +348,13 @@ class _Server:
         param = "tool_choice" if tools is not None and tools.forced else "response_format"
         constraint = await asyncio.to_thread(served.constraint, grammar, param)
         seed = secrets.randbits(32) if req.seed is None else req.seed % 2**63
-        gen = GenRequest(tokens=tokens, max_tokens=max_tokens, temperature=req.temperature,
-                         top_p=req.top_p, seed=seed, stop=req.stops(),
-                         salt=tenant.salt(req.cache_salt), constraint=constraint,
-                         top_logprobs=req.top_k(), tools=tools, passages=passages,
-                         approximate=bool(req.approximate))
-        gen = await asyncio.to_thread(served.prepared, gen)
+        sampling = Sampling(max_tokens=max_tokens, temperature=req.temperature,
+                            top_p=req.top_p, seed=seed)
+        gen = await asyncio.to_thread(
+            lambda: served.prepared(tokens, sampling, salt=tenant.salt(req.cache_salt),
+                                    approximate=bool(req.approximate), passages=passages,
+                                    stop=req.stops(), constraint=constraint,
+                                    top_logprobs=req.top_k(), tools=tools))
         shape = CompletionShape(chat, self.model_id, "fp_" + served.kv.fingerprint[:12])
         job = Job(tenant.queue(req.cache_salt), lambda j: served.run(gen, j, self.metrics),
                   asyncio.get_running_loop(), request_id=shape.id)

@@ -25,7 +25,7 @@ from typing import Any
 
 from ..chat import ChatTokenizer
 from ..core.pipeline import EdgeKV
-from ..core.request import GenerationResult, Request
+from ..core.request import GenerationResult, Request, Sampling
 from ..engines.base import KVAdapter
 from ..engines.constraint import Chain, Constraint, Grammar, grammar_constraint
 from ..errors import EdgeKVError, EngineError, PromptError
@@ -45,21 +45,17 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class GenRequest:
-    tokens: tuple[int, ...]
-    max_tokens: int
-    temperature: float
-    top_p: float
-    seed: int
-    stop: tuple[str, ...]
-    salt: str  # the tenant's cache chain (see app.tenant_salt)
+    """One request as the server runs it: the library's `Request` (`EdgeKV.prepare` made it
+    on arrival, `ServedModel.prepared`: tokens, chain keys, sampling, passages laid out; the
+    worker hands it to `generate` as it is, nothing is tokenized, validated or keyed twice),
+    and what only the server does with the answer."""
+
+    request: Request
+    prompt_tokens: int  # the tokens the client sent (without the documents placed before)
+    stop: tuple[str, ...] = ()
     constraint: Constraint | None = None  # a grammar's state (structured output, forced call)
     top_logprobs: int | None = None  # None: no logprobs; else alternatives per token
     tools: ToolPlan | None = None  # the answer may be tool calls (tools.py)
-    passages: tuple[str, ...] | None = None  # RAG documents placed before `tokens`
-    approximate: bool = False  # the request allows approximate reuse (server permitting)
-    # what `EdgeKV.prepare` made of it on arrival (`ServedModel.prepared`): the worker hands
-    # it to `generate` as it is, nothing is tokenized, validated or keyed twice
-    request: Request | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,28 +192,32 @@ class ServedModel:
             raise APIError(400, str(e), code="unsupported_parameter" if isinstance(
                 e, EngineError) else "invalid_schema", param=param) from None
 
-    def prepared(self, req: GenRequest) -> GenRequest:
-        """`req` with the library's `Request` (`EdgeKV.prepare`: chain keys in the tenant's
-        chain, passages laid out), built on arrival beside the worker; a refusal is a 400."""
-        salt, namespace = req.salt, SERVE_TENANTS
+    def prepared(self, tokens: tuple[int, ...], sampling: Sampling, *, salt: str,
+                 approximate: bool, passages: tuple[str, ...] | None,
+                 **serving: Any) -> GenRequest:
+        """The library's `Request` for `tokens` (`EdgeKV.prepare`: chain keys in the tenant's
+        chain, passages laid out), built on arrival beside the worker, in a `GenRequest` with
+        `serving` (stop, constraint, top_logprobs, tools); a refusal is a 400."""
+        namespace = SERVE_TENANTS
         if not salt and self.kv_tenant:  # the device's own requests: its KV-server chain
             salt, namespace = self.kv_tenant, KV_SERVER_TENANTS
         try:
             with self._tokenizing:
                 request = self.kv.prepare(
-                    list(req.tokens), max_tokens=req.max_tokens, temperature=req.temperature,
-                    top_p=req.top_p, seed=req.seed, salt=salt, namespace=namespace,
-                    use_cache=self.use_cache, approximate=req.approximate,
-                    passages=None if req.passages is None else list(req.passages))
+                    list(tokens), max_tokens=sampling.max_tokens,
+                    temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
+                    salt=salt, namespace=namespace, use_cache=self.use_cache,
+                    approximate=approximate,
+                    passages=None if passages is None else list(passages))
         except EdgeKVError as e:
             raise from_library_error(e) from None
-        return replace(req, request=request)
+        return GenRequest(request, len(tokens), **serving)
 
     def run(self, req: GenRequest, job: Job, metrics: ServeMetrics) -> None:
         """The job's work, on the worker thread."""
         if job.cancelled.is_set():
             return
-        job.emit(Started(len(req.tokens)))
+        job.emit(Started(req.prompt_tokens))
         text = IncrementalText(self.kv.adapter.detokenize, req.stop)
         reply = ToolReply(req.tools) if req.tools is not None else None
         recorder = (LogprobRecorder(req.top_logprobs, self._piece)
@@ -241,8 +241,7 @@ class ServedModel:
             emit(text.push(token))
             return not text.stopped
 
-        prepared = req.request or self.prepared(req).request
-        assert prepared is not None
+        prepared = req.request
         t0 = time.perf_counter()
         try:
             r = self.kv.generate(replace(prepared, sampling=replace(prepared.sampling,
