@@ -44,7 +44,7 @@ from .modes import (
 from .options import ENGINES, Subparsers, bench_parser, csv, llama_server_opt, llama_server_path
 from .report import environment
 from .servers import resolved_settings
-from .workload import ChatHistory, Request, load_workload, render, unique_prompts
+from .workload import ChatHistory, WorkloadItem, load_workload, render, unique_prompts
 
 __all__ = ["add_parser", "MODES", "REFERENCE", "run_cli", "run_seed_bench", "write_report"]
 
@@ -128,8 +128,8 @@ def _open_modes(adapter: Any, engine: str, n_ctx: int, threads: int, root: Path,
     return strict
 
 
-def _prepare(req: Request, history: ChatHistory, adapter: Any, template: str | None,
-             n_ctx: int) -> tuple[Request, str, list[int]]:
+def _prepare(req: WorkloadItem, history: ChatHistory, adapter: Any, template: str | None,
+             n_ctx: int) -> tuple[WorkloadItem, str, list[int]]:
     """The prompt every mode answers. A conversation that no longer fits the context window
     starts afresh at this turn, as a chat front end would."""
     filled = history.fill(req)
@@ -145,7 +145,7 @@ def _prepare(req: Request, history: ChatHistory, adapter: Any, template: str | N
     return filled, text, tokens
 
 
-def _tokens(req: Request, text: str, adapter: Any, template: str | None) -> list[int]:
+def _tokens(req: WorkloadItem, text: str, adapter: Any, template: str | None) -> list[int]:
     """A chat request's tokens as every chat path makes them (`chat.ChatTokenizer`: the
     messages' text stays text; for these workloads the same ids as `text`'s), else `text`'s."""
     if req.messages is None:
@@ -154,7 +154,7 @@ def _tokens(req: Request, text: str, adapter: Any, template: str | None) -> list
         [{"role": r, "content": c} for r, c in req.messages])
 
 
-def run_seed_bench(*, requests: list[Request] | None = None, n_requests: int = 1000,
+def run_seed_bench(*, requests: list[WorkloadItem] | None = None, n_requests: int = 1000,
                    seed: int = 0, model: str | None = None, n_ctx: int = 2048,
                    max_tokens: int | None = None, progress: bool = True,
                    engine: str = "llamacpp", workload: str = "seed",
@@ -199,7 +199,7 @@ def run_seed_bench(*, requests: list[Request] | None = None, n_requests: int = 1
         history = ChatHistory()
         meter = EnergyMeter()
         results: dict[str, Rows] = defaultdict(list)
-        filled_reqs: list[Request] = []
+        filled_reqs: list[WorkloadItem] = []
         prompt_tokens: list[int] = []
         seen: list[np.ndarray] = []  # earlier prompts, and each with its reference answer
         lcp: list[int] = []
@@ -272,7 +272,7 @@ def _longest_common_prefix(tokens: list[int], seen: list[np.ndarray]) -> int:
     return min(best, len(tokens) - 1)
 
 
-def _workload_info(workload: str, reqs: list[Request], history: ChatHistory,
+def _workload_info(workload: str, reqs: list[WorkloadItem], history: ChatHistory,
                    prompt_tokens: list[int], threads: int, ref: str) -> dict[str, Any]:
     return {
         "workload": workload,
@@ -298,7 +298,7 @@ def _agreement(rows: Rows, ref: Rows | None) -> float | None:
     return round(sum(same) / len(same), 4)
 
 
-def _summarise(reqs: list[Request], results: dict[str, Rows], energy_source: str,
+def _summarise(reqs: list[WorkloadItem], results: dict[str, Rows], energy_source: str,
                energy_method: str, adapter: Any, wall: float) -> dict[str, Any]:
     base = results["nocache"]
     base_traffic = sum(o.traffic_bytes for o, _, _ in base) or 1

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from edgekv.errors import ConfigError
 
-__all__ = ["CHAT_MAX_TOKENS", "WORKLOADS", "ChatHistory", "Request", "chat_workload",
+__all__ = ["CHAT_MAX_TOKENS", "WORKLOADS", "ChatHistory", "WorkloadItem", "chat_workload",
            "header_workload", "load_jsonl", "load_workload", "parse_workload", "passages",
            "rag_workload", "render", "seed_workload", "unique_prompts", "with_history"]
 
@@ -48,7 +48,9 @@ CHAT_TURNS = (3, 8)  # questions per conversation, at most one per intent of the
 
 
 @dataclass(frozen=True, slots=True)
-class Request:
+class WorkloadItem:
+    """One request of a benchmark workload (not the library's `core.request.Request`)."""
+
     messages: tuple[tuple[str, str], ...] | None  # (role, content), rendered with the template
     prompt: str | None  # raw prompt text (JSONL workloads), used as is
     cluster: str
@@ -65,7 +67,7 @@ def _zipf(n: int, s: float = 1.0) -> list[float]:
 
 
 def seed_workload(requests: int = 1000, *, seed: int = 0,
-                  max_tokens: int = SEED_MAX_TOKENS) -> list[Request]:
+                  max_tokens: int = SEED_MAX_TOKENS) -> list[WorkloadItem]:
     from .corpus import CLUSTERS
 
     if requests < 1:
@@ -79,7 +81,7 @@ def seed_workload(requests: int = 1000, *, seed: int = 0,
         c = rng.choices(clusters, cw)[0]
         i = rng.choices(range(len(c.intents)), _zipf(len(c.intents)))[0]
         v = rng.randrange(len(c.intents[i]))
-        out.append(Request((("system", c.system), ("user", c.intents[i][v])), None, c.name,
+        out.append(WorkloadItem((("system", c.system), ("user", c.intents[i][v])), None, c.name,
                            f"{c.name}/{i}", max_tokens))
     return out
 
@@ -111,7 +113,7 @@ def passages(min_chars: int = 120) -> list[tuple[str, str]]:
 
 
 def rag_workload(requests: int = 1000, *, seed: int = 0, max_tokens: int = SEED_MAX_TOKENS,
-                 k: tuple[int, int] = RAG_K) -> list[Request]:
+                 k: tuple[int, int] = RAG_K) -> list[WorkloadItem]:
     """`requests` RAG questions: the seed's question popularity, k retrieved passages each."""
     from .corpus import CLUSTERS
 
@@ -137,14 +139,14 @@ def rag_workload(requests: int = 1000, *, seed: int = 0, max_tokens: int = SEED_
         chosen = relevant + rng.sample(others, n - len(relevant))
         rng.shuffle(chosen)  # the retriever's ranking differs from request to request
         body = "\n\n".join(f"[{j + 1}] {t}" for j, t in enumerate(chosen))
-        out.append(Request((("system", RAG_INSTRUCTION),
+        out.append(WorkloadItem((("system", RAG_INSTRUCTION),
                             ("user", f"Passages:\n{body}\n\nQuestion: {question}")), None,
                            c.name, f"{c.name}/{i}", max_tokens))
     return out
 
 
 def header_workload(requests: int = 1000, *, seed: int = 0,
-                    max_tokens: int = SEED_MAX_TOKENS, days: int = 3) -> list[Request]:
+                    max_tokens: int = SEED_MAX_TOKENS, days: int = 3) -> list[WorkloadItem]:
     """The seed workload's questions behind a dynamic header: the date moves forward over the
     run (`days` days), each request comes from one of `HEADER_USERS`."""
     base = seed_workload(requests, seed=seed, max_tokens=max_tokens)
@@ -174,7 +176,7 @@ def _conversation_plan(intents: Sequence[Sequence[str]], rng: random.Random,
 
 def chat_workload(requests: int = 1000, *, seed: int = 0, max_tokens: int = CHAT_MAX_TOKENS,
                   users: int = CHAT_USERS,
-                  turns: tuple[int, int] = CHAT_TURNS) -> list[Request]:
+                  turns: tuple[int, int] = CHAT_TURNS) -> list[WorkloadItem]:
     """`requests` chat turns of `users` users, interleaved by a seeded RNG.
 
     Each request's messages are the system prompt and the user's questions so far; the
@@ -205,13 +207,13 @@ def chat_workload(requests: int = 1000, *, seed: int = 0, max_tokens: int = CHAT
         k = asked[u]
         asked[u] += 1
         questions = tuple(("user", q) for _, q in plans[u][: k + 1])
-        out.append(Request((("system", c.system), *questions), None, c.name,
+        out.append(WorkloadItem((("system", c.system), *questions), None, c.name,
                            f"{c.name}/{plans[u][k][0]}", max_tokens,
                            conversation=f"user{u}/conv{sessions[u]}", turn=k))
     return out
 
 
-def with_history(req: Request, answers: Sequence[str], *, start: int = 0) -> Request:
+def with_history(req: WorkloadItem, answers: Sequence[str], *, start: int = 0) -> WorkloadItem:
     """`req` with the assistant's `answers` to its earlier questions put between them.
 
     Turns before `start` are left out (the conversation was restarted there because it no
@@ -239,7 +241,7 @@ class ChatHistory:
         self._start: dict[str, int] = {}
         self.restarts = 0
 
-    def fill(self, req: Request) -> Request:
+    def fill(self, req: WorkloadItem) -> WorkloadItem:
         """The request every mode answers: `req` with its conversation's earlier answers."""
         if req.conversation is None:
             return req
@@ -249,7 +251,7 @@ class ChatHistory:
                              f"{len(answers)} answered turns; turns must come in order")
         return with_history(req, answers, start=self._start.get(req.conversation, 0))
 
-    def restart(self, req: Request) -> Request:
+    def restart(self, req: WorkloadItem) -> WorkloadItem:
         """Start the conversation afresh at this turn (its history no longer fits)."""
         if req.conversation is None:
             return req
@@ -257,7 +259,7 @@ class ChatHistory:
         self.restarts += 1
         return self.fill(req)
 
-    def record(self, req: Request, answer: str) -> None:
+    def record(self, req: WorkloadItem, answer: str) -> None:
         if req.conversation is not None:
             # stripped as a chat front end stores it; the template adds its own separators
             self._answers.setdefault(req.conversation, []).append(answer.strip())
@@ -266,7 +268,8 @@ class ChatHistory:
 # -- files and names -----------------------------------------------------------------------
 
 
-def load_jsonl(path: str | Path, *, default_max_tokens: int = SEED_MAX_TOKENS) -> list[Request]:
+def load_jsonl(path: str | Path, *,
+               default_max_tokens: int = SEED_MAX_TOKENS) -> list[WorkloadItem]:
     """One JSON object per line: `prompt` (string, required), optional `cluster`, `max_tokens`.
     Any defect of the file (not UTF-8, a line that is not a JSON object, a prompt that is not
     text) is a ConfigError naming the line."""
@@ -298,7 +301,7 @@ def load_jsonl(path: str | Path, *, default_max_tokens: int = SEED_MAX_TOKENS) -
         if type(mt) is not int or mt < 1:  # bool is an int, but true is no token count
             raise ConfigError(f"{p}:{n}: max_tokens must be a positive integer, got {mt!r:.40}")
         cluster = str(obj.get("cluster", "unlabelled"))
-        out.append(Request(None, obj["prompt"], cluster, obj["prompt"], mt))
+        out.append(WorkloadItem(None, obj["prompt"], cluster, obj["prompt"], mt))
     if not out:
         raise ConfigError(f"{p} holds no requests")
     return out
@@ -320,7 +323,7 @@ def parse_workload(spec: str | None) -> str | Path:
 
 
 def load_workload(spec: str | None, *, requests: int | None = None, seed: int = 0,
-                  max_tokens: int | None = None) -> tuple[str, list[Request]]:
+                  max_tokens: int | None = None) -> tuple[str, list[WorkloadItem]]:
     """(name recorded in the results, requests) for `--workload`, `--requests`, `--max-tokens`.
 
     Generated workloads have `requests` requests (default 1000); a file's list is cut to
@@ -341,7 +344,7 @@ def load_workload(spec: str | None, *, requests: int | None = None, seed: int = 
     return str(kind), reqs[:requests] if requests else reqs
 
 
-def render(req: Request, template: str | None, render_chat: object) -> str:
+def render(req: WorkloadItem, template: str | None, render_chat: object) -> str:
     if req.prompt is not None:
         return req.prompt
     assert req.messages is not None
@@ -354,5 +357,5 @@ def render(req: Request, template: str | None, render_chat: object) -> str:
     return render_chat(template, msgs)  # type: ignore[operator]
 
 
-def unique_prompts(reqs: Sequence[Request]) -> int:
+def unique_prompts(reqs: Sequence[WorkloadItem]) -> int:
     return len({(r.messages, r.prompt) for r in reqs})

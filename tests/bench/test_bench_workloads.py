@@ -12,7 +12,7 @@ from edgekv.errors import ConfigError
 from edgekv_bench.workload import (
     CHAT_MAX_TOKENS,
     ChatHistory,
-    Request,
+    WorkloadItem,
     chat_workload,
     load_workload,
     parse_workload,
@@ -21,8 +21,8 @@ from edgekv_bench.workload import (
 )
 
 
-def _by_conversation(reqs: list[Request]) -> dict[str, list[Request]]:
-    out: dict[str, list[Request]] = defaultdict(list)
+def _by_conversation(reqs: list[WorkloadItem]) -> dict[str, list[WorkloadItem]]:
+    out: dict[str, list[WorkloadItem]] = defaultdict(list)
     for r in reqs:
         assert r.conversation is not None
         out[r.conversation].append(r)
