@@ -4,18 +4,13 @@ commit column depends on the clone's history (a shallow clone has less), so it i
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
 
+from tests.scriptkit import load_script
+
 ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("edgekv_bench_index",
-                                               ROOT / "scripts" / "bench_index.py")
-assert _spec is not None and _spec.loader is not None
-index = importlib.util.module_from_spec(_spec)
-sys.modules["edgekv_bench_index"] = index
-_spec.loader.exec_module(index)
+index = load_script("bench_index")
 
 
 def _listed(text: str) -> dict[str, str]:

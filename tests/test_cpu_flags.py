@@ -148,3 +148,24 @@ def test_other_machine_portable() -> None:
         "-DGGML_NATIVE=OFF", "-DGGML_LLAMAFILE=ON"]
     assert cpu_flags.flags_for("aarch64", None, False) == [
         "-DGGML_NATIVE=OFF", "-DGGML_LLAMAFILE=OFF"]
+
+
+def test_this_machine_gets_only_what_its_cpuinfo_lists() -> None:
+    """Detected, never assumed: on the machine running the tests, each x86 instruction set
+    is on exactly where /proc/cpuinfo lists it (an AVX2-only EPYC gets AVX512 off), AMX
+    never."""
+    import platform
+
+    cpuinfo = Path("/proc/cpuinfo")
+    if platform.machine() != "x86_64" or not cpuinfo.is_file():
+        pytest.skip("x86-64 Linux only")
+    text = cpuinfo.read_text()
+    listed = set(next(line for line in text.splitlines() if line.startswith("flags"))
+                 .split(":", 1)[1].split())
+    args = cpu_flags.flags_for("x86_64", text, True)
+    for flag, option in (("avx512f", "AVX512"), ("avx2", "AVX2"), ("fma", "FMA"),
+                         ("avx512_bf16", "AVX512_BF16"), ("avx512_vnni", "AVX512_VNNI")):
+        state = "ON" if flag in listed and (flag == "avx512f" or not flag.startswith("avx512")
+                                            or "avx512f" in listed) else "OFF"
+        assert f"-DGGML_{option}={state}" in args, (option, state, args)
+    assert "-DGGML_AMX_INT8=OFF" in args and "-DGGML_NATIVE=OFF" in args

@@ -10,18 +10,13 @@ flags) and names with digits (SmolLM2-135M, Q4_1, Gemma 3) are not figures. Ever
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
+from tests.scriptkit import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("edgekv_readme_figures",
-                                               ROOT / "scripts" / "readme_figures.py")
-assert _spec is not None and _spec.loader is not None
-rf = importlib.util.module_from_spec(_spec)
-sys.modules["edgekv_readme_figures"] = rf
-_spec.loader.exec_module(rf)
+rf = load_script("readme_figures")
 
 
 def _pins() -> dict[tuple[str, int, str], dict]:

@@ -5,17 +5,13 @@ cycle finder is checked on a small synthetic package first, so that this test ca
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
+from tests.scriptkit import load_script
+
 ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("edgekv_shape", ROOT / "scripts" / "shape.py")
-assert _spec is not None and _spec.loader is not None
-shape = importlib.util.module_from_spec(_spec)
-sys.modules["edgekv_shape"] = shape
-_spec.loader.exec_module(shape)
+shape = load_script("shape")
 
 def _write(root: Path, files: dict[str, str]) -> None:
     for name, text in files.items():
