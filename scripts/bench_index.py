@@ -39,6 +39,21 @@ COMMANDS = {
     "arm-probe": "scripts/arm_check.sh",
 }
 
+# a file beside another run of the same bench stands for another condition (else it is an older
+# run, which lives in git history, not here): which one
+CONDITIONS = {
+    "serve.json": "the current `bench serve` run: the patched engine, 24 requests",
+    "serve-zen4.json": "another machine kind: AMD EPYC Zen 4 (AVX512-VNNI), 40 requests",
+    "serve-concurrency.json": "another condition: `--concurrency 1,2,4,8 --parallel 4`",
+    "kernels.json": "reduced: 3 rounds, every weight type and build",
+    "kernels-zen4.json": "another machine kind: AMD EPYC Zen 4, 7 interleaved rounds",
+    "faults.json": "reduced: 3 kills, 10 s windows",
+    "faults-full-50kills.json": "full size: 50 kills (before the current accounting)",
+    "reuse-onnx.json": "another engine: ONNX Runtime",
+    "evict-before.json": "before the candidate heap (the pair of evict.json)",
+    "gemma/reuse-smollm2.json": "SmolLM2 beside the Gemma 3 run",
+}
+
 
 def _git(*args: str) -> str:
     return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True,
@@ -88,7 +103,10 @@ def rows() -> list[tuple[str, str, str, str]]:
         own = data.get("commit") or (data.get("environment") or {}).get("commit")
         if isinstance(own, str) and not commit.startswith(own[:7]):
             commit += f" (ran on {own[:12]})"
-        out.append((rel.as_posix(), _command(rel, data), commit, _machine(data)))
+        machine = _machine(data)
+        cond = CONDITIONS.get(rel.as_posix())
+        out.append((rel.as_posix(), _command(rel, data), commit,
+                    f"{machine}; {cond}" if cond else machine))
     return out
 
 
@@ -98,9 +116,10 @@ def render() -> str:
         "",
         "Made by `python scripts/bench_index.py` from the files and git; older runs live in "
         "git history. *Commit* is the last commit that changed the file (the code it ran on "
-        "is that commit's, or the one it names); *machine* is what the JSON recorded.",
+        "is that commit's, or the one it names); *machine* is what the JSON recorded, and, where "
+        "another run of the same bench sits beside it, the condition it stands for.",
         "",
-        "| file | command | commit | machine |",
+        "| file | command | commit | machine; condition |",
         "|---|---|---|---|",
     ]
     lines += [f"| `{f}` | `{c}` | {g} | {m} |" for f, c, g, m in rows()]
