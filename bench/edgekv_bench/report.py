@@ -42,16 +42,12 @@ def environment() -> dict[str, Any]:
 
 def _cpu_model() -> str | None:
     """The CPU's model name and its widest vector extension (the machine kind a figure ran
-    on), from /proc/cpuinfo; None where it cannot be read."""
-    try:
-        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return None
-    fields = dict(line.split(":", 1) for line in text.splitlines()[:64] if ":" in line)
-    name = " ".join(fields.get("model name\t", fields.get("model name", "")).split()) or None
-    flags = set(fields.get("flags\t\t", fields.get("flags", "")).split())
-    wide = next((f for f in ("amx_tile", "avx512f", "avx2") if f in flags), None)
-    return None if name is None else f"{name} ({wide})" if wide else name
+    on); None where /proc/cpuinfo cannot be read."""
+    from edgekv.engines.probe import cpu_identity
+
+    name, flags = cpu_identity()
+    wide = next((f for f in ("amx_tile", "avx512f", "avx2", "asimddp") if f in flags), None)
+    return None if not name else f"{name} ({wide})" if wide else name
 
 
 def _commit() -> str | None:

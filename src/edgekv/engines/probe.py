@@ -62,7 +62,7 @@ from ..errors import EdgeKVError
 from .base import DraftVerifier, FragmentSpec, KVAdapter, Twinned
 from .probe_spec import DRAFTS, SPEC_SCHEDULE, draft_verify_diff
 
-__all__ = ["ProbeFinisher", "ProbeResult", "ProbeStopped", "Schedule", "finish_later",
+__all__ = ["ProbeFinisher", "ProbeResult", "ProbeStopped", "Schedule", "cpu_identity", "finish_later",
            "finish_probe", "load_or_probe", "measure_prefill", "probe_batch_invariance",
            "probe_key", "record", "recorded_probes", "speculation_check"]
 
@@ -181,20 +181,30 @@ class ProbeResult:
                    pending=tuple(str(x) for x in d.get("pending", ())))  # type: ignore[attr-defined]
 
 
-def _cpu_model() -> str:
-    """The CPU's model name and instruction-set flags: kernels are chosen from them."""
+def cpu_identity() -> tuple[str, frozenset[str]]:
+    """The CPU's model name and its instruction-set flags (x86 `flags`, ARM `Features`) from
+    /proc/cpuinfo; ("", empty) where it cannot be read."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             text = f.read()
     except OSError:
-        return platform.processor() or platform.machine()
-    name = flags = ""
+        return "", frozenset()
+    name, flags = "", ""
     for line in text.splitlines():
         if not name and line.startswith("model name"):
             name = line.split(":", 1)[1].strip()
         elif not flags and line.startswith(("flags", "Features")):
-            flags = " ".join(sorted(line.split(":", 1)[1].split()))
-    return f"{platform.machine()} {name} [{hashlib.sha256(flags.encode()).hexdigest()[:12]}]"
+            flags = line.split(":", 1)[1]
+    return name, frozenset(flags.split())
+
+
+def _cpu_model() -> str:
+    """The CPU's model name and instruction-set flags: kernels are chosen from them."""
+    name, flags = cpu_identity()
+    if not name and not flags:
+        return platform.processor() or platform.machine()
+    digest = hashlib.sha256(" ".join(sorted(flags)).encode()).hexdigest()[:12]
+    return f"{platform.machine()} {name} [{digest}]"
 
 
 def _kernel_env() -> dict[str, str]:
