@@ -62,9 +62,9 @@ from ..errors import EdgeKVError
 from .base import DraftVerifier, FragmentSpec, KVAdapter, Twinned
 from .probe_spec import DRAFTS, SPEC_SCHEDULE, draft_verify_diff
 
-__all__ = ["ProbeFinisher", "ProbeResult", "ProbeStopped", "Schedule", "cpu_identity", "finish_later",
-           "finish_probe", "load_or_probe", "measure_prefill", "probe_batch_invariance",
-           "probe_key", "record", "recorded_probes", "speculation_check"]
+__all__ = ["ProbeFinisher", "ProbeResult", "ProbeStopped", "Schedule", "cpu_identity",
+           "finish_later", "finish_probe", "load_or_probe", "measure_prefill",
+           "probe_batch_invariance", "probe_key", "record", "recorded_probes", "speculation_check"]
 
 log = logging.getLogger(__name__)
 
