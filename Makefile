@@ -26,7 +26,7 @@ PATCHED_SIG     = $(LLAMA_VERSION) $(shell $(PYTHON) scripts/cpu_flags.py --patc
 
 
 .PHONY: setup run lint test bench bench-serve llama-server stock-lib stock-llama-cpp-python patched-src patched-lib \
-	edgekv-before-lib quantize clean
+	edgekv-before-lib quantize arm-build arm-check clean
 
 setup: $(STAMP)
 
@@ -199,6 +199,18 @@ $(BEFORE_LIB)/libllama.so: $(LLAMA_SDIST) scripts/cpu_flags.py scripts/build_inf
 # (never committed). `edgekv bench kernels` makes them itself when missing.
 quantize: $(LLAMA_QUANTIZE) | $(STAMP)
 	$(BIN)/python scripts/quantize_models.py --llama-quantize $(LLAMA_QUANTIZE)
+
+# ARM64 (issue 33): EdgeKV's engine cross-built for aarch64 from the same patched tree at two
+# levels (armv8.2-a+dotprod+fp16, a Raspberry Pi 5; armv8.6-a+i8mm, recent phones), the
+# batch-invariance probe run under qemu-user on the CI stand-ins (synthetic 2-layer SmolLM2 in
+# six weight types, Gemma 3 in Q4_K_M): fails unless every schedule passes. Installs qemu-user
+# and g++-aarch64-linux-gnu where missing (as root; elsewhere it is skipped with a message,
+# unless ARM_CHECK_REQUIRE=1, as .ci/run sets). About 10 minutes of builds and 12 of qemu.
+arm-build: $(PATCHED_ROOT)/.edgekv-patches
+	scripts/arm_check.sh build
+
+arm-check: setup $(PATCHED_ROOT)/.edgekv-patches
+	scripts/arm_check.sh check
 
 bench-serve: $(LLAMA_SERVER)
 	HF_HUB_OFFLINE=1 $(BIN)/edgekv bench serve --llama-server $(LLAMA_SERVER) \

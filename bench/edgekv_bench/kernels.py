@@ -53,6 +53,15 @@ BUILDS = ("stock", "stock_fa", "edgekv_before", "edgekv")
 # model quality, is what these rows compare
 REQUANT = ("Q8_0", "Q4_0")
 MODELS = ("smollm2-q4_1", "smollm2-q8_0", "smollm2-q4_0", "gemma3-q4_k_m")
+# every other name: smollm2-<type> (requantized) or synthetic-<shape>-<type>
+# (edgekv_bench.synthetic: random weights, labelled synthetic in every row)
+MORE_MODELS = ("smollm2-q4_k_m", "smollm2-q5_k_m", "smollm2-q6_k", "smollm2-q3_k_m",
+               "smollm2-iq4_xs")
+# the emulated (aarch64) rows' default: the CI stand-ins (the packaged models take about an
+# hour each under qemu: --models smollm2-q4_1,... runs them)
+EMULATED_BUILDS = ("edgekv", "stock")  # stock: the cross build with the switch off
+# the emulated rows that also run the probe's 2,040-token schedules (the rest: pending)
+LONG_MODELS = ("synthetic-smollm2-2l-q4_k_m", "synthetic-gemma3-2l-q4_k_m")
 INVARIANT = "GGML_CPU_BATCH_INVARIANT"
 
 
@@ -98,44 +107,44 @@ def default_builds(root: Path = Path(".")) -> dict[str, Build]:
 def ensure_quantized(cache_dir: Path, llama_quantize: Path, source: Path) -> dict[str, Path]:
     """SmolLM2 in Q8_0 and Q4_0 in `<cache dir>/models/`, made from `source` (the packaged
     Q4_1) with llama.cpp's own llama-quantize (`--allow-requantize`) the first time."""
+    from .synthetic import quantize
+
     out = {}
     for qtype in REQUANT:
         dst = Path(cache_dir) / "models" / f"{source.stem.rsplit('.', 1)[0]}.{qtype}-from-Q4_1.gguf"
         if not dst.exists():
-            if not llama_quantize.is_file():
-                raise EdgeKVError(f"{llama_quantize} is missing: run `make llama-server` "
-                                  "(it builds llama-quantize) or pass --llama-quantize")
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            tmp = dst.with_suffix(".tmp")
-            res = subprocess.run([str(llama_quantize), "--allow-requantize", str(source),
-                                  str(tmp), qtype], capture_output=True, text=True)
-            if res.returncode != 0:
-                raise EdgeKVError(f"llama-quantize {qtype} failed: {res.stderr[-400:]}")
-            os.replace(tmp, dst)
+            quantize(source, dst, qtype.lower(), requantize=True, llama_quantize=llama_quantize)
         out[qtype] = dst
     return out
 
 
 def model_paths(cache_dir: Path, llama_quantize: Path,
                 names: Sequence[str]) -> dict[str, tuple[Path, str]]:
-    """name -> (GGUF path, weight type label)."""
+    """name -> (GGUF path, weight type label). SmolLM2's other weight types and the synthetic
+    models are made the first time (edgekv_bench.synthetic), with `llama_quantize` where it
+    is built, else with llama-cpp-python's llama_model_quantize (the same function)."""
     from edgekv.engines.models import resolve_model
 
-    smol = resolve_model("smollm2", cache_dir)
+    from .synthetic import ensure_model, parse_name
+
     out: dict[str, tuple[Path, str]] = {}
-    quant = ensure_quantized(cache_dir, llama_quantize, smol) if any(
-        n in ("smollm2-q8_0", "smollm2-q4_0") for n in names) else {}
     for n in names:
-        if n == "smollm2-q4_1":
-            out[n] = (smol, "Q4_1")
-        elif n == "smollm2-q8_0":
-            out[n] = (quant["Q8_0"], "Q8_0 (requantized from Q4_1)")
-        elif n == "smollm2-q4_0":
-            out[n] = (quant["Q4_0"], "Q4_0 (requantized from Q4_1)")
-        elif n == "gemma3-q4_k_m":
+        if n == "gemma3-q4_k_m":
             out[n] = (resolve_model("gemma3", cache_dir), "Q4_K_M")
-        else:
-            raise EdgeKVError(f"unknown model {n!r}; pick from {', '.join(MODELS)}")
+            continue
+        try:
+            shape, wtype = parse_name(n)
+        except EdgeKVError as e:
+            raise EdgeKVError(f"unknown model {n!r}; pick from "
+                              f"{', '.join(MODELS + MORE_MODELS)} or synthetic-<shape>-<type> "
+                              f"({e})") from None
+        path = ensure_model(n, cache_dir, llama_quantize if llama_quantize.is_file() else None)
+        label = wtype.upper()
+        if shape == "smollm2" and wtype != "q4_1":
+            label += " (requantized from Q4_1)"
+        elif shape != "smollm2":
+            label += " (synthetic: random weights)"
+        out[n] = (path, label)
     return out
 
 
@@ -175,30 +184,67 @@ def _stat(values: Sequence[float], digits: int = 1) -> tuple[float | None, list[
                                                        round(max(values), digits)]
 
 
-def run_kernels_bench(models: Sequence[str] = MODELS, builds: Sequence[str] = BUILDS,
+def run_kernels_bench(models: Sequence[str] | None = None, builds: Sequence[str] = BUILDS,
                       runs: int = 5, prompts: int = 20, threads: int | None = None,
                       cache_dir: Path | None = None, root: Path = Path("."),
-                      llama_quantize: Path | None = None,
+                      llama_quantize: Path | None = None, arches: Sequence[str] | None = None,
+                      long_models: Sequence[str] = LONG_MODELS,
                       progress: Any = None) -> dict[str, Any]:
+    """Rows for every (arch, model, build): this machine's own arch natively (speeds, probe,
+    divergence), the aarch64 ones under qemu (probe only; emulated.py)."""
     from edgekv.config import default_cache_dir
 
+    from .emulated import ARCHES, host_arch
     from .report import environment
+    from .synthetic import CI_STANDINS
 
+    host = host_arch()
+    arches = list(arches or [host])
+    bad = [a for a in arches if a not in ARCHES]
+    if bad:
+        raise EdgeKVError(f"unknown arch(es) {', '.join(bad)}; pick from {', '.join(ARCHES)}")
+    foreign = [a for a in arches if a != host and ARCHES[a].level is None]
+    if foreign:
+        raise EdgeKVError(f"{', '.join(foreign)}: not this machine ({host}), and only aarch64 "
+                          "is emulated here: run the bench on such a machine")
+    native = host in arches
+    if models is None:
+        models = MODELS if native else CI_STANDINS
     cache_dir = Path(cache_dir or default_cache_dir())
     threads = threads or os.cpu_count() or 1
+    paths = model_paths(cache_dir, llama_quantize or root / "build/llama-server/bin/llama-quantize",
+                        models)
+    t0 = time.time()
+    rows = (_native_rows(models, builds, paths, runs, prompts, threads, root, host, progress)
+            if native else [])
+    emulated = [ARCHES[a] for a in arches if a != host]
+    if emulated:
+        rows += _emulated_rows(models, builds, paths, emulated, long_models, root, progress)
+    return {"rows": rows, "ratios": stock_ratios(rows), "runs": runs, "prompts": prompts,
+            "threads": threads, "arches": arches,
+            "models": list(models), "builds": list(builds), "seconds": round(time.time() - t0),
+            "environment": environment()}
+
+
+def _model_keys(name: str, path: Path) -> dict[str, Any]:
+    from .synthetic import is_synthetic, model_params
+
+    return {"params": model_params(path), "synthetic": is_synthetic(name)}
+
+
+def _native_rows(models: Sequence[str], builds: Sequence[str],
+                 paths: dict[str, tuple[Path, str]], runs: int, prompts: int, threads: int,
+                 root: Path, host: str, progress: Any) -> list[dict[str, Any]]:
     specs = default_builds(root)
     chosen = [specs[b] for b in builds]
     for b in chosen:
         if b.lib is not None and not (b.lib / "libllama.so").exists():
             raise EdgeKVError(f"build {b.name}: {b.lib}/libllama.so is missing (see the "
                               "Makefile: stock-lib, edgekv-before-lib)")
-    paths = model_paths(cache_dir, llama_quantize or root / "build/llama-server/bin/llama-quantize",
-                        models)
     cells = [(m, b) for m in models for b in chosen]
     speed: dict[tuple[str, str], list[dict[str, float]]] = {(m, b.name): [] for m, b in cells}
     bench: dict[tuple[str, str], list[dict[str, float]]] = {(m, b.name): [] for m, b in cells}
     quality: dict[tuple[str, str], dict[str, Any]] = {}
-    t0 = time.time()
     for rnd in range(runs):
         order = cells[rnd % len(cells):] + cells[: rnd % len(cells)]  # rotate: interleaved
         for i, (m, b) in enumerate(order):
@@ -220,6 +266,7 @@ def run_kernels_bench(models: Sequence[str] = MODELS, builds: Sequence[str] = BU
         div = q["first_divergence"]
         row: dict[str, Any] = {
             "model": m, "weights": paths[m][1], "build": b.name, "flash_attn": b.flash_attn,
+            "arch": host, "emulated": False, **_model_keys(m, paths[m][0]),
             **speeds(s),
             "probe_identical": q["probe"]["identical"], "probe_total": q["probe"]["total"],
             "first_divergence_mean": round(sum(div) / len(div), 2), "first_divergence": div,
@@ -233,10 +280,45 @@ def run_kernels_bench(models: Sequence[str] = MODELS, builds: Sequence[str] = BU
             row[f"llama_bench_{key}"], row[f"llama_bench_{key}_spread"] = _stat(
                 [x[key] for x in lb if key in x])
         rows.append(row)
-    return {"rows": rows, "ratios": stock_ratios(rows), "runs": runs, "prompts": prompts,
-            "threads": threads,
-            "models": list(models), "builds": list(builds), "seconds": round(time.time() - t0),
-            "environment": environment()}
+    return rows
+
+
+NULL_SPEEDS = {f"{k}{suffix}": None for k in ("prefill_tok_s_512", "prefill_tok_s_2048",
+                                             "decode_tok_s", "decode_tok_s_after_2048")
+               for suffix in ("", "_spread")}
+
+
+def _emulated_rows(models: Sequence[str], builds: Sequence[str],
+                   paths: dict[str, tuple[Path, str]], arches: Sequence[Any],
+                   long_models: Sequence[str], root: Path, progress: Any) -> list[dict[str, Any]]:
+    """The probe of every (arch, model, build) under qemu: `edgekv` with the switch on (flash
+    attention on, EdgeKV's defaults), `stock` the same cross build with it off (each patch is
+    gated on it: ggml's own kernels). No speeds: qemu's are not a device's."""
+    from .emulated import run_emulated
+
+    which = [b for b in builds if b in EMULATED_BUILDS]
+    cells = [(a, m, b) for a in arches for m in models for b in which]
+    results = run_emulated([(a, paths[m][0], b == "edgekv",
+                             2040 if m in long_models or "all" in long_models else 0)
+                            for a, m, b in cells], root=root, progress=progress)
+    rows = []
+    for (a, m, b), r in zip(cells, results, strict=True):
+        failed = [n for n, d, same in r["results"] if not (d == 0.0 and same)]
+        rows.append({
+            "model": m, "weights": paths[m][1], "build": b, "flash_attn": bool(r["flash_attn"]),
+            "arch": a.name, "emulated": True, **_model_keys(m, paths[m][0]), **NULL_SPEEDS,
+            "probe_identical": len(r["results"]) - len(failed), "probe_total": len(r["results"]),
+            "first_divergence_mean": None, "probe_failed": failed,
+            "probe_results": r["results"], "probe_notes": r["notes"],
+            "probe_pending": r["pending"], "probe_seconds": round(r["seconds"], 1),
+            "speed_source": None, "runs": 0, "qemu_cpu": a.qemu_cpu, "march": a.march,
+            "system_info": r.get("system_info"), "batch_invariant": r.get("batch_invariant"),
+            "note": ("emulated (qemu-user): exactness only, no speed; probe seconds are qemu's"
+                     + ("" if b == "edgekv" else "; stock kernels: EdgeKV's cross build with "
+                        "GGML_CPU_BATCH_INVARIANT=0")),
+            **{f"llama_bench_{k}": None for k in ("pp512", "pp2048", "tg32")},
+        })
+    return rows
 
 
 def speeds(rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -253,38 +335,62 @@ def speeds(rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
             [1 / statistics.median(x[steps]) for x in rounds])
         out[f"{key}_whole"] = _stat([len(x[steps]) / sum(x[steps]) for x in rounds])[0]
     out["decode_steps"] = len(rounds[0]["decode_steps_s"])
+    # every round's figures, in the order they ran (the medians above are over these)
+    out["round_figures"] = [{
+        **{f"prefill_tok_s_{n}": round(n / x[f"prefill_{n}_s"], 1) for n in (512, 2048)},
+        "decode_tok_s": round(1 / statistics.median(x["decode_steps_s"]), 1),
+        "decode_tok_s_after_2048": round(1 / statistics.median(x["decode_2048_steps_s"]), 1),
+    } for x in rounds]
     return out
 
 
 def kernels_table(res: dict[str, Any]) -> str:
     from .report import table
 
-    head = ["model", "weights", "build", "FA", "prefill 512 tok/s", "prefill 2048 tok/s",
+    head = ["arch", "model", "weights", "params", "build", "FA", "prefill 512 tok/s",
+            "prefill 2048 tok/s",
             "decode tok/s", "decode after 2048 tok/s", "llama-bench pp512 / pp2048 / tg32",
             "probe", "first divergence"]
 
     def fmt(v: Any, spread: Any) -> str:
         return "-" if v is None else f"{v:g} ({spread[0]:g}-{spread[1]:g})"
 
+    def params(n: Any) -> str:
+        return "-" if not n else f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
+
     body = []
     for r in res["rows"]:
         lb = " / ".join("-" if r[f"llama_bench_{k}"] is None else f"{r[f'llama_bench_{k}']:g}"
                         for k in ("pp512", "pp2048", "tg32"))
-        body.append([r["model"], r["weights"], r["build"], "on" if r["flash_attn"] else "off",
+        arch = r.get("arch", "-") + (" (qemu)" if r.get("emulated") else "")
+        body.append([arch, r["model"], r["weights"], params(r.get("params")), r["build"],
+                     "on" if r["flash_attn"] else "off",
                      fmt(r["prefill_tok_s_512"], r["prefill_tok_s_512_spread"]),
                      fmt(r["prefill_tok_s_2048"], r["prefill_tok_s_2048_spread"]),
                      fmt(r["decode_tok_s"], r["decode_tok_s_spread"]),
                      fmt(r.get("decode_tok_s_after_2048"), r.get("decode_tok_s_after_2048_spread")),
                      lb,
-                     f"{r['probe_identical']}/{r['probe_total']}",
-                     f"{r['first_divergence_mean']:g}"])
+                     f"{r['probe_identical']}/{r['probe_total']}"
+                     + (" (+pending: " + ", ".join(r["probe_pending"]) + ")"
+                        if r.get("probe_pending") else ""),
+                     "-" if r["first_divergence_mean"] is None
+                     else f"{r['first_divergence_mean']:g}"])
     steps = next((r.get("decode_steps") for r in res["rows"]), None)
     note = (f"Medians over {res['runs']} interleaved rounds (min-max in brackets), "
             f"{res['threads']} threads; a round's decode speed is 1 / its median step "
             f"({steps or 'its'} greedy steps; the rows' decode_tok_s_whole: steps / their "
             f"total time); first divergence: mean over {res['prompts']} prompts of "
             "the first of 64 greedy tokens that differs from the one-batch run (64 = none).")
-    if res["runs"] < 5 or res["prompts"] < 20 or len(res["models"]) < len(MODELS):
+    if any(r.get("emulated") for r in res["rows"]):
+        note += (" Rows marked (qemu) ran under qemu-user: exactness only. qemu gives no "
+                 "faithful speed, so their speeds are null; their probe ran the C++ probe "
+                 "(probe/edgekv_probe.cpp) on EdgeKV's cross build (scripts/arm_check.sh), "
+                 "stock = the same build with GGML_CPU_BATCH_INVARIANT=0.")
+    if any(r.get("synthetic") for r in res["rows"]):
+        note += (" synthetic-* models have random weights (edgekv_bench.synthetic): for "
+                 "speed, KV size and exactness only, never for answers.")
+    native = [r for r in res["rows"] if not r.get("emulated")]
+    if native and (res["runs"] < 5 or res["prompts"] < 20 or len(res["models"]) < len(MODELS)):
         note += (" REDUCED RUN: fewer rounds, prompts or models than the full matrix "
                  f"(runs {res['runs']}, prompts {res['prompts']}, models "
                  f"{', '.join(res['models'])}).")
@@ -311,12 +417,13 @@ def stock_ratios(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per model: the edgekv row's figures over the fastest stock configuration's (stock or
     stock_fa, whichever is faster for that figure)."""
     out = []
-    for model in dict.fromkeys(r["model"] for r in rows):
-        mine = next((r for r in rows if r["model"] == model and r["build"] == "edgekv"), None)
-        stock = [r for r in rows if r["model"] == model and r["build"] in ("stock", "stock_fa")]
+    native = [r for r in rows if not r.get("emulated")]
+    for model in dict.fromkeys(r["model"] for r in native):
+        mine = next((r for r in native if r["model"] == model and r["build"] == "edgekv"), None)
+        stock = [r for r in native if r["model"] == model and r["build"] in ("stock", "stock_fa")]
         if mine is None or not stock:
             continue
-        ratio: dict[str, Any] = {"model": model}
+        ratio: dict[str, Any] = {"model": model, "arch": mine.get("arch")}
         for k in RATIO_KEYS + WHOLE_KEYS:
             best = max((r[k] for r in stock if r.get(k)), default=None)
             ratio[k] = round(mine[k] / best, 3) if best and mine.get(k) else None
@@ -326,7 +433,10 @@ def stock_ratios(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def run_cli(args: Any) -> tuple[dict[str, Any], str]:
     """`edgekv bench kernels`: --models, --builds (default all), --runs, --prompts, --threads."""
-    models = tuple(x for x in (getattr(args, "models", None) or ",".join(MODELS)).split(",") if x)
+    models = tuple(x for x in (getattr(args, "models", None) or "").split(",") if x) or None
+    arches = tuple(x for x in (getattr(args, "arch", None) or "").split(",") if x) or None
+    long_models = tuple(x for x in (getattr(args, "long_models", None) or
+                                    ",".join(LONG_MODELS)).split(",") if x)
     builds = tuple(x for x in (getattr(args, "builds", None) or ",".join(BUILDS)).split(",") if x)
     bad = [b for b in builds if b not in BUILDS]
     if bad:
@@ -338,7 +448,8 @@ def run_cli(args: Any) -> tuple[dict[str, Any], str]:
 
     res = run_kernels_bench(models, builds, runs=args.runs,
                             prompts=getattr(args, "prompts", None) or 20,
-                            threads=args.threads, cache_dir=cache_dir, progress=progress)
+                            threads=args.threads, cache_dir=cache_dir, arches=arches,
+                            long_models=long_models, progress=progress)
     print(file=sys.stderr)
     return res, kernels_table(res)
 
@@ -347,8 +458,19 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
     p = bench_parser(sub, "kernels", "stock llama.cpp beside EdgeKV's builds per model and "
                      "weight type: speed and batch invariance", run_cli,
                      model=False, runs=True, threads="engine threads (default: all cores)")
-    p.add_argument("--models", default=",".join(MODELS),
-                   help=f"comma-separated models (default: {','.join(MODELS)})")
+    p.add_argument("--models", default=None,
+                   help=f"comma-separated models (default: {','.join(MODELS)}; with only "
+                   "emulated --arch, the CI stand-ins). Also smollm2-<type> (requantized from "
+                   f"the packaged Q4_1: {','.join(MORE_MODELS)}) and synthetic-<shape>-<type> "
+                   "(random weights: shapes smollm2-2l, gemma3-2l, smollm2-360m, llama3.2-1b, "
+                   "smollm2-1.7b), made in the cache dir the first time")
+    p.add_argument("--arch", default=None,
+                   help="comma-separated arch rows (default: this machine's own): "
+                   "x86_64-avx512, x86_64-avx2, aarch64-dotprod, aarch64-i8mm; the aarch64 "
+                   "ones run the probe under qemu on the cross builds of scripts/arm_check.sh")
+    p.add_argument("--long-models", default=",".join(LONG_MODELS),
+                   help="emulated rows that also run the probe's 2,040-token schedules "
+                   "('all' for every one; the rest list them as pending)")
     p.add_argument("--builds", default=",".join(BUILDS),
                    help=f"comma-separated builds (default: {','.join(BUILDS)})")
     p.add_argument("--prompts", type=int, default=20,

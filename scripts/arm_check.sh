@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# The ARM64 check (issue 33): EdgeKV's engine cross-built for aarch64 from the same patched tree
+# `make setup` builds, at the two feature levels edge devices have, and the batch-invariance
+# probe (probe/edgekv_probe.cpp, the schedules of src/edgekv/engines/probe.py) run on it under
+# qemu-user.
+#
+#   dotprod  -march=armv8.2-a+dotprod+fp16        qemu -cpu cortex-a76 (a Raspberry Pi 5's core)
+#   i8mm     -march=armv8.6-a+dotprod+fp16+i8mm   qemu -cpu max (recent phones)
+#
+# Usage: scripts/arm_check.sh build [LEVEL...]   the cross builds and the probe binaries
+#                                                (build/arm/<level>/edgekv_probe)
+#        scripts/arm_check.sh check               build, then `edgekv bench kernels --arch
+#                                                aarch64-dotprod,aarch64-i8mm --runs 1` on the
+#                                                CI stand-in models: fails unless every
+#                                                schedule of every row passes
+#        scripts/arm_check.sh tools               only install what is missing
+#
+# Debian's qemu-user and g++-aarch64-linux-gnu are installed only where missing, and only as
+# root. Elsewhere the check is skipped with a message (make test stays root-free), unless
+# ARM_CHECK_REQUIRE=1 (.ci/run sets it): then a missing tool is a failure.
+# ARM_BUILDS=edgekv,stock also runs the stock kernels (the same build with the switch off: the
+# verdicts before the series); ARM_JSON=PATH writes the rows there (build/arm/kernels-arm.json).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VERSION=0.3.36
+PATCHED_TREE=build/patched/llama_cpp_python-$VERSION/vendor/llama.cpp
+PY=${PYTHON:-.venv/bin/python}
+
+march() {
+    case "$1" in
+    dotprod) echo "armv8.2-a+dotprod+fp16" ;;
+    i8mm) echo "armv8.6-a+dotprod+fp16+i8mm" ;;
+    *) echo "arm_check.sh: unknown level $1 (dotprod, i8mm)" >&2; exit 2 ;;
+    esac
+}
+
+have_tools() {
+    command -v qemu-aarch64 >/dev/null && command -v aarch64-linux-gnu-g++ >/dev/null \
+        && command -v cmake >/dev/null && command -v ninja >/dev/null
+}
+
+skip_or_fail() {
+    if [ "${ARM_CHECK_REQUIRE:-0}" = 1 ]; then
+        echo "arm_check.sh: $1 (ARM_CHECK_REQUIRE=1: a failure)" >&2
+        exit 1
+    fi
+    echo "arm_check.sh: SKIPPED: $1" >&2
+    exit 0
+}
+
+tools() {
+    have_tools && return 0
+    if [ "$(id -u)" -ne 0 ]; then
+        skip_or_fail "qemu-user, g++-aarch64-linux-gnu, cmake or ninja is missing and this is not root: apt-get install qemu-user g++-aarch64-linux-gnu cmake ninja-build"
+    fi
+    command -v apt-get >/dev/null || skip_or_fail "the ARM tools are missing and there is no apt-get"
+    apt-get update -q || skip_or_fail "apt-get update failed"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q qemu-user g++-aarch64-linux-gnu cmake ninja-build \
+        || skip_or_fail "apt-get install qemu-user g++-aarch64-linux-gnu failed"
+    have_tools || skip_or_fail "the ARM tools are still missing after apt-get install"
+}
+
+# cross_build TREE OUT ARCH: llama.cpp's static libraries (the same options as EdgeKV's x86
+# engine: llamafile on, GGML_NATIVE off, no KleidiAI) and the probe linked against them
+cross_build() {
+    local tree=$1 out=$2 arch=$3
+    if [ -x "$out/edgekv_probe" ] && [ "$(cat "$out/.built" 2>/dev/null)" = "$(signature "$tree" "$arch")" ]; then
+        echo "arm_check.sh: $out is up to date"
+        return 0
+    fi
+    echo "arm_check.sh: cross-building $tree for $arch into $out (about 5 minutes on 2 cores)"
+    rm -rf "$out" && mkdir -p "$(dirname "$out")"
+    nice -n 10 cmake -S "$tree" -B "$out" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+        -DCMAKE_TOOLCHAIN_FILE="$PWD/probe/aarch64-linux-gnu.cmake" \
+        -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=OFF -DGGML_CPU_ARM_ARCH="$arch" \
+        -DGGML_LLAMAFILE=ON -DGGML_CPU_KLEIDIAI=OFF \
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF \
+        -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF >"$out.cmake.log" 2>&1 \
+        || { tail -30 "$out.cmake.log" >&2; exit 1; }
+    nice -n 10 cmake --build "$out" -j"$(nproc)" --target llama >"$out.build.log" 2>&1 \
+        || { tail -30 "$out.build.log" >&2; exit 1; }
+    sh probe/build.sh cross "$out/edgekv_probe" "$out" "$tree"
+    signature "$tree" "$arch" >"$out/.built"
+}
+
+# what a build depends on: the tree's patches (its marker), the level, the probe's source
+signature() {
+    { echo "$2"; cat "$1/../../.edgekv-patches" 2>/dev/null || echo stock;
+      cat probe/edgekv_probe.cpp probe/build.sh probe/aarch64-linux-gnu.cmake; } | sha256sum | cut -c1-16
+}
+
+build() {
+    tools
+    [ -f "$PATCHED_TREE/CMakeLists.txt" ] || make patched-src
+    local levels=("$@")
+    [ ${#levels[@]} -gt 0 ] || levels=(dotprod i8mm)
+    for level in "${levels[@]}"; do
+        cross_build "$PATCHED_TREE" "build/arm/$level" "$(march "$level")"
+    done
+}
+
+check() {
+    build
+    local json=${ARM_JSON:-build/arm/kernels-arm.json}
+    mkdir -p "$(dirname "$json")"
+    HF_HUB_OFFLINE=1 .venv/bin/edgekv bench kernels --arch aarch64-dotprod,aarch64-i8mm \
+        --runs 1 --builds "${ARM_BUILDS:-edgekv}" --json "$json"
+    "$PY" - "$json" <<'EOF'
+import json, sys
+rows = json.load(open(sys.argv[1]))["rows"]
+bad = [r for r in rows if r["build"] == "edgekv" and r["probe_identical"] != r["probe_total"]]
+for r in rows:
+    print(f"{r['arch']:16} {r['model']:32} {r['build']:8} {r['probe_identical']}/{r['probe_total']}"
+          + (f"  failed: {', '.join(r['probe_failed'])}" if r["probe_failed"] else ""))
+if not rows or bad:
+    sys.exit(f"arm_check.sh: {len(bad)} edgekv row(s) not exact on ARM" if rows else "no rows")
+print(f"arm_check.sh: {len(rows)} rows, every edgekv schedule bit-identical under qemu")
+EOF
+}
+
+case "${1:-check}" in
+tools) tools ;;
+build) shift; build "$@" ;;
+check) check ;;
+*) echo "usage: scripts/arm_check.sh build [dotprod|i8mm ...] | check | tools" >&2; exit 2 ;;
+esac
