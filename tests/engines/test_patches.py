@@ -47,6 +47,8 @@ def test_the_series_applies_to_the_vendored_tree_once(tmp_path):
     assert first.stdout.count("applied ") == len(list(PATCHES.glob("*.patch")))
     cpu = (root / "vendor/llama.cpp/ggml/src/ggml-cpu/ggml-cpu.c").read_text()
     assert 'getenv("GGML_CPU_BATCH_INVARIANT")' in cpu
+    # the run-time setter (0008), declared where a program over ggml-cpu.h finds it
+    assert "void ggml_cpu_set_batch_invariant(bool on) {" in cpu
     again = apply(root)
     assert again.returncode == 0 and "already carries" in again.stdout
 
@@ -95,3 +97,6 @@ def test_the_series_carries_the_decode_paths():
     assert "Atype == GGML_TYPE_Q8_0 || Atype == GGML_TYPE_Q4_0" in text["0004"]
     assert "static bool invariant_pad()" in text["0005"]
     assert "ggml_compute_forward_flash_attn_ext_segments" in text["0007"]
+    # 0008: the switch at run time; 0005's work buffer sized for either mode
+    assert "GGML_BACKEND_API void    ggml_cpu_set_batch_invariant(bool on);" in text["0008"]
+    assert "invariant_out_offset(op, true)" in text["0008"]

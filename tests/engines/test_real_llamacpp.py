@@ -226,39 +226,45 @@ def test_serve_and_generate_switch_flash_attention(tmp_path):
 
 def test_the_setup_build_runs_the_batch_invariant_kernels_with_flash_attention():
     """`make setup` builds the engine from patches/llama.cpp: the loaded CPU backend carries
-    the switch, EdgeKV turned it on, and flash attention is on by default."""
+    the switch, EdgeKV turned it on (through the backend, not the environment), and flash
+    attention is on by default."""
     from edgekv.engines.llamacpp import LlamaCppAdapter
 
     if os.environ.get("LLAMA_CPP_LIB_PATH") or os.environ.get("GGML_CPU_BATCH_INVARIANT") == "0":
         pytest.skip("another engine build or its stock kernels were asked for")
+    before = dict(os.environ)
     a = LlamaCppAdapter(MODEL, n_ctx=256)
     try:
         assert a.batch_invariant and a.flash_attn
-        assert os.environ["GGML_CPU_BATCH_INVARIANT"] == "1"
+        assert dict(os.environ) == before
         assert "LLAMAFILE = 1" in a.build_info()
     finally:
         a.close()
 
 
 ORDER = """
-import os, sys
-if sys.argv[1] == "plain":  # llama.cpp computes before EdgeKV's default for the switch is set
+import os, subprocess, sys
+if sys.argv[1] == "plain":  # llama.cpp loads and computes before EdgeKV is imported
     import llama_cpp
     llm = llama_cpp.Llama(sys.argv[2], n_ctx=64, verbose=False)
     llm.eval(llm.tokenize(b"hello there"))
     llm.close()
 from edgekv.engines.llamacpp import LlamaCppAdapter
 a = LlamaCppAdapter(sys.argv[2], n_ctx=256)
-print(os.environ["GGML_CPU_BATCH_INVARIANT"], a.batch_invariant, a.flash_attn)
+child = subprocess.run([sys.executable, "-c",
+                        "import os; print(os.environ.get('GGML_CPU_BATCH_INVARIANT', 'unset'))"],
+                       capture_output=True, text=True).stdout.strip()
+print(child, a.batch_invariant, a.flash_attn)
 a.close()
 """
 
 
-def test_the_adapter_asks_the_backend_which_kernels_it_runs():
-    """ggml reads GGML_CPU_BATCH_INVARIANT once, when its CPU backend starts: in a process where
-    a plain llama-cpp-python computed first, without the switch, the kernels are the stock ones
-    whatever the environment says later, so the adapter (asking the loaded backend) keeps flash
-    attention off; where EdgeKV came first, both are on."""
+def test_the_order_of_imports_does_not_matter_and_children_keep_the_stock_kernels():
+    """The adapter sets the backend's mode at run time (patch 0008): where a plain
+    llama-cpp-python loaded and computed first, EdgeKV still runs the batch-invariant kernels
+    with flash attention (before the setter, that process got the stock kernels and
+    whole-chunk reuse); and EdgeKV writes nothing into the environment, so a child process (a
+    benchmark's peer) does not inherit the switch."""
     if os.environ.get("LLAMA_CPP_LIB_PATH"):
         pytest.skip("another engine build was asked for")
     env = {k: v for k, v in os.environ.items() if k != "GGML_CPU_BATCH_INVARIANT"}
@@ -268,5 +274,11 @@ def test_the_adapter_asks_the_backend_which_kernels_it_runs():
                              capture_output=True, text=True, timeout=300)
         assert res.returncode == 0, res.stderr[-800:]
         got[first] = res.stdout.split()[-3:]
-    assert got["plain"] == ["1", "False", "False"]
-    assert got["edgekv"] == ["1", "True", "True"]
+    assert got["plain"] == ["unset", "True", "True"]
+    assert got["edgekv"] == ["unset", "True", "True"]
+    # GGML_CPU_BATCH_INVARIANT=0 still keeps the stock kernels
+    res = subprocess.run([sys.executable, "-c", ORDER, "edgekv", str(MODEL)],
+                         env={**env, "GGML_CPU_BATCH_INVARIANT": "0"}, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-800:]
+    assert res.stdout.split()[-3:] == ["0", "False", "False"]

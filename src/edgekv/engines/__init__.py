@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import os
-
-# ggml reads GGML_CPU_BATCH_INVARIANT once, when its CPU backend starts, in whatever code loads
-# llama.cpp first in the process (a benchmark's plain llama-cpp-python peer included), so EdgeKV
-# sets its default here, on import, unless the environment already says (engines/llamacpp.py)
-os.environ.setdefault("GGML_CPU_BATCH_INVARIANT", "1")
-
-from .base import FragmentSpec, Generation, KVAdapter  # noqa: E402
+# EdgeKV's batch-invariant kernels are switched on by the llama.cpp adapter when it opens a
+# model (patch 0008's run-time setter, engines/llamacpp.py), not through the environment: the
+# order of imports does not matter, and child processes (a benchmark's peers) keep the stock
+# kernels.
+from .base import FragmentSpec, Generation, KVAdapter
 from .fake import FakeAdapter
 from .shared import aligned_batches, check_injectable
 

@@ -165,11 +165,13 @@ class SequenceContext:
         self.close()
 
 
-# EdgeKV's engine is llama.cpp with patches/llama.cpp applied (`make setup` builds it): with
-# GGML_CPU_BATCH_INVARIANT=1 (its default, set when `edgekv.engines` is imported) its CPU
-# kernels compute a token alike whatever batch it sits in, with llamafile and flash attention
-# on. A library built without the patches ignores the switch.
+# EdgeKV's engine is llama.cpp with patches/llama.cpp applied (`make setup` builds it): with its
+# batch-invariant mode on (the adapter sets it when it opens a model, unless
+# GGML_CPU_BATCH_INVARIANT=0 says otherwise) its CPU kernels compute a token alike whatever batch
+# it sits in, with llamafile and flash attention on. A library built without the patches has no
+# such mode.
 _CPU_BACKEND = ("libggml-cpu.so", "libggml-cpu.dylib", "ggml-cpu.dll")
+SWITCH_ENV = "GGML_CPU_BATCH_INVARIANT"
 
 
 def _import_llama() -> Any:
@@ -182,11 +184,20 @@ def _import_llama() -> Any:
     return llama_cpp
 
 
+def wants_invariant_kernels() -> bool:
+    """EdgeKV's default is on; GGML_CPU_BATCH_INVARIANT=0 keeps the stock kernels."""
+    return os.environ.get(SWITCH_ENV, "1").strip() != "0"
+
+
 def batch_invariant_kernels(lib_dir: Path | None) -> bool:
-    """Whether the CPU backend in `lib_dir` runs the patch series' batch-invariant kernels: it
-    exports `ggml_cpu_batch_invariant`, and the mode it read when it started is on. The backend
-    reads the switch once, so a process that loaded llama.cpp before the switch was set runs
-    the stock kernels whatever the environment says now; asking the backend tells which."""
+    """Switch the CPU backend in `lib_dir` to the patch series' batch-invariant kernels (unless
+    GGML_CPU_BATCH_INVARIANT=0) and say whether it runs them. The series' run-time setter
+    (patch 0008, `ggml_cpu_set_batch_invariant`) sets the mode whatever the backend read from
+    the environment when it started, so a program that loaded llama.cpp before EdgeKV still
+    gets exact reuse, and the environment is left alone (child processes keep stock kernels).
+    The mode is one flag of the process's backend: a `Llama` made in the same process runs
+    the same kernels. A build of the series before the setter only read the variable when it
+    started; one without the series has no mode (False)."""
     path = _cpu_backend(lib_dir) if lib_dir is not None else None
     if path is None:
         return False
@@ -196,7 +207,11 @@ def batch_invariant_kernels(lib_dir: Path | None) -> bool:
         return False
     if not hasattr(lib, "ggml_cpu_batch_invariant"):
         return False
-    lib.ggml_cpu_init()  # idempotent: reads the switch only the first time
+    if hasattr(lib, "ggml_cpu_set_batch_invariant"):
+        lib.ggml_cpu_set_batch_invariant.argtypes = [ctypes.c_bool]
+        lib.ggml_cpu_set_batch_invariant(wants_invariant_kernels())
+    else:
+        lib.ggml_cpu_init()  # idempotent: reads the switch only the first time
     lib.ggml_cpu_batch_invariant.restype = ctypes.c_bool
     return bool(lib.ggml_cpu_batch_invariant())
 

@@ -1,0 +1,75 @@
+"""The lab's made-for-measuring models (edgekv_bench.synthetic) and the kernels bench's arch
+rows (edgekv_bench.emulated): names, labels, the refusals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from edgekv.errors import EdgeKVError
+from edgekv_bench import emulated, kernels, synthetic
+
+
+def test_model_names_parse_and_bad_ones_are_refused_with_the_choices():
+    assert synthetic.parse_name("synthetic-llama3.2-1b-q4_k_m") == ("llama3.2-1b", "q4_k_m")
+    assert synthetic.parse_name("smollm2-iq4_xs") == ("smollm2", "iq4_xs")
+    with pytest.raises(EdgeKVError, match="q4_k_m"):
+        synthetic.parse_name("smollm2-q9_z")
+    with pytest.raises(EdgeKVError, match="llama3.2-1b"):
+        synthetic.parse_name("synthetic-llama9-q4_k_m")
+    with pytest.raises(EdgeKVError, match="unknown model"):
+        kernels.model_paths(Path("/nonexistent"), Path("/nonexistent"), ["mistral-q4_k_m"])
+    assert all(synthetic.is_synthetic(n) for n in synthetic.CI_STANDINS + synthetic.LADDER)
+
+
+def test_the_host_arch_comes_from_the_cpu_flags():
+    assert emulated.host_arch("x86_64", frozenset({"avx2", "avx512f"})) == "x86_64-avx512"
+    assert emulated.host_arch("x86_64", frozenset({"avx2"})) == "x86_64-avx2"
+    assert emulated.host_arch("aarch64", frozenset({"asimddp", "i8mm"})) == "aarch64-i8mm"
+    assert emulated.host_arch("aarch64", frozenset({"asimddp"})) == "aarch64-dotprod"
+
+
+def test_arches_that_cannot_run_here_are_refused(tmp_path):
+    with pytest.raises(EdgeKVError, match="unknown arch"):
+        kernels.run_kernels_bench(arches=["riscv64"], cache_dir=tmp_path, root=tmp_path)
+    other = "x86_64-avx2" if emulated.host_arch() != "x86_64-avx2" else "x86_64-avx512"
+    with pytest.raises(EdgeKVError, match="not this machine"):
+        kernels.run_kernels_bench(arches=[other], cache_dir=tmp_path, root=tmp_path)
+
+
+def test_an_emulated_row_without_its_cross_build_names_the_command(tmp_path):
+    arch = emulated.ARCHES["aarch64-i8mm"]
+    with pytest.raises(EdgeKVError, match="arm_check.sh build i8mm"):
+        emulated.run_emulated([(arch, tmp_path / "m.gguf", True, 0)], root=tmp_path)
+
+
+def test_emulated_rows_have_null_speeds_and_say_so_in_the_table():
+    row = {"model": "synthetic-smollm2-2l-q4_0", "weights": "Q4_0 (synthetic: random weights)",
+           "build": "edgekv", "flash_attn": True, "arch": "aarch64-dotprod", "emulated": True,
+           "params": 41_000_000, "synthetic": True, **kernels.NULL_SPEEDS,
+           "probe_identical": 7, "probe_total": 7, "probe_pending": ["long schedules"],
+           "first_divergence_mean": None,
+           **{f"llama_bench_{k}": None for k in ("pp512", "pp2048", "tg32")}}
+    res = {"rows": [row], "runs": 1, "prompts": 20, "threads": 2, "models": [row["model"]]}
+    text = kernels.kernels_table(res)
+    assert "aarch64-dotprod (qemu)" in text and "no faithful speed" in text
+    assert "7/7 (+pending: long schedules)" in text and "41M" in text
+    assert "random weights" in text and "REDUCED RUN" not in text
+    assert kernels.stock_ratios([row]) == []
+
+
+@pytest.mark.real
+def test_a_ci_standin_is_the_packaged_architecture_with_two_layers_and_labelled():
+    gguf = pytest.importorskip("gguf")
+    from edgekv.config import default_cache_dir
+
+    path = synthetic.ensure_model("synthetic-smollm2-2l-q4_0", default_cache_dir())
+    r = gguf.GGUFReader(str(path))
+    assert r.fields["general.architecture"].contents() == "llama"
+    assert r.fields["llama.block_count"].contents() == 2
+    assert r.fields["general.name"].contents().startswith("synthetic smollm2-2l")
+    assert r.fields["edgekv.synthetic"].contents() == "smollm2-2l"
+    assert len(r.fields["tokenizer.ggml.tokens"].data) == 49152
+    assert {int(t.name.split(".")[1]) for t in r.tensors if t.name.startswith("blk.")} == {0, 1}
+    assert 30e6 < synthetic.model_params(path) < 50e6
