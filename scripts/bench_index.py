@@ -45,8 +45,11 @@ CONDITIONS = {
     "serve.json": "the current `bench serve` run: the patched engine, 24 requests",
     "serve-zen4.json": "another machine kind: AMD EPYC Zen 4 (AVX512-VNNI), 40 requests",
     "serve-concurrency.json": "another condition: `--concurrency 1,2,4,8 --parallel 4`",
-    "kernels.json": "reduced: 3 rounds, every weight type and build",
+    "kernels.json": "the AVX2-only machine kind (AMD EPYC without AVX512); reduced: 3 rounds, "
+                    "every weight type and build",
     "kernels-zen4.json": "another machine kind: AMD EPYC Zen 4, 7 interleaved rounds",
+    "kernels-arm.json": "another machine kind: aarch64 (dotprod, i8mm) under qemu-user, "
+                        "exactness only",
     "faults.json": "reduced: 3 kills, 10 s windows",
     "faults-full-50kills.json": "full size: 50 kills (before the current accounting)",
     "reuse-onnx.json": "another engine: ONNX Runtime",

@@ -101,5 +101,6 @@ def test_the_series_carries_the_decode_paths():
     assert "GGML_BACKEND_API void    ggml_cpu_set_batch_invariant(bool on);" in text["0008"]
     assert "invariant_out_offset(op, true)" in text["0008"]
     # 0009: on ARM with i8mm, a lone row or column of the 2x2 kernel is paired with itself
-    assert "const bool self_pair = num_rows_per_vec_dot > 1 && ggml_cpu_batch_invariant();" in text["0009"]
+    self_pair = "const bool self_pair = num_rows_per_vec_dot > 1 && ggml_cpu_batch_invariant();"
+    assert self_pair in text["0009"]
     assert "if (!ggml_cpu_batch_invariant() &&" in text["0009"]
