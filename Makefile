@@ -201,9 +201,11 @@ quantize: $(LLAMA_QUANTIZE) | $(STAMP)
 	$(BIN)/python scripts/quantize_models.py --llama-quantize $(LLAMA_QUANTIZE)
 
 # ARM64 (issue 33): EdgeKV's engine cross-built for aarch64 from the same patched tree at two
-# levels (armv8.2-a+dotprod+fp16, a Raspberry Pi 5; armv8.6-a+i8mm, recent phones), the
-# batch-invariance probe run under qemu-user on the CI stand-ins (synthetic 2-layer SmolLM2 in
-# six weight types, Gemma 3 in Q4_K_M): fails unless every schedule passes. Installs qemu-user
+# levels (armv8.2-a+dotprod+fp16, a Raspberry Pi 5; armv8.6-a+i8mm, recent phones), run under
+# qemu-user: the kernel check (probe/edgekv_kernels.cpp, every weight type's mul_mat, a column
+# alone against it in batches) and the batch-invariance probe on the CI stand-ins (synthetic
+# 2-layer SmolLM2 in six weight types, Gemma 3 in Q4_K_M): fails unless every column and every
+# schedule is bit-identical. Installs qemu-user
 # and g++-aarch64-linux-gnu where missing (as root; elsewhere it is skipped with a message,
 # unless ARM_CHECK_REQUIRE=1, as .ci/run sets). About 10 minutes of builds and 12 of qemu.
 arm-build: $(PATCHED_ROOT)/.edgekv-patches

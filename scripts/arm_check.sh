@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
 # The ARM64 check (issue 33): EdgeKV's engine cross-built for aarch64 from the same patched tree
-# `make setup` builds, at the two feature levels edge devices have, and the batch-invariance
-# probe (probe/edgekv_probe.cpp, the schedules of src/edgekv/engines/probe.py) run on it under
-# qemu-user.
+# `make setup` builds, at the two feature levels edge devices have, and run on it under qemu-user:
+# the kernel check (probe/edgekv_kernels.cpp: every weight type's mul_mat, a column alone against
+# the same column in batches of 2-64, plain and repacked) and the batch-invariance probe
+# (probe/edgekv_probe.cpp, the schedules of src/edgekv/engines/probe.py) on the stand-in models.
 #
 #   dotprod  -march=armv8.2-a+dotprod+fp16        qemu -cpu cortex-a76 (a Raspberry Pi 5's core)
 #   i8mm     -march=armv8.6-a+dotprod+fp16+i8mm   qemu -cpu max (recent phones)
 #
 # Usage: scripts/arm_check.sh build [LEVEL...]   the cross builds and the probe binaries
-#                                                (build/arm/<level>/edgekv_probe)
-#        scripts/arm_check.sh check               build, then `edgekv bench kernels --arch
-#                                                aarch64-dotprod,aarch64-i8mm --runs 1` on the
-#                                                CI stand-in models: fails unless every
-#                                                schedule of every row passes
+#                                                (build/arm/<level>/edgekv_probe, edgekv_kernels)
+#        scripts/arm_check.sh kernels             build, then the kernel check at both levels
+#                                                (build/arm/kernel-check.json)
+#        scripts/arm_check.sh check               the kernel check, then `edgekv bench kernels
+#                                                --arch aarch64-dotprod,aarch64-i8mm --runs 1`
+#                                                on the CI stand-in models: fails unless every
+#                                                column and every schedule of every row is
+#                                                bit-identical
 #        scripts/arm_check.sh tools               only install what is missing
 #
 # Debian's qemu-user and g++-aarch64-linux-gnu are installed only where missing, and only as
@@ -32,6 +36,14 @@ march() {
     dotprod) echo "armv8.2-a+dotprod+fp16" ;;
     i8mm) echo "armv8.6-a+dotprod+fp16+i8mm" ;;
     *) echo "arm_check.sh: unknown level $1 (dotprod, i8mm)" >&2; exit 2 ;;
+    esac
+}
+
+# the qemu CPU of a level (as edgekv_bench.emulated's arch rows)
+qemu_cpu() {
+    case "$1" in
+    dotprod) echo "cortex-a76" ;;
+    i8mm) echo "max" ;;
     esac
 }
 
@@ -65,7 +77,8 @@ tools() {
 # engine: llamafile on, GGML_NATIVE off, no KleidiAI) and the probe linked against them
 cross_build() {
     local tree=$1 out=$2 arch=$3
-    if [ -x "$out/edgekv_probe" ] && [ "$(cat "$out/.built" 2>/dev/null)" = "$(signature "$tree" "$arch")" ]; then
+    if [ -x "$out/edgekv_probe" ] && [ -x "$out/edgekv_kernels" ] \
+        && [ "$(cat "$out/.built" 2>/dev/null)" = "$(signature "$tree" "$arch")" ]; then
         echo "arm_check.sh: $out is up to date"
         return 0
     fi
@@ -81,13 +94,15 @@ cross_build() {
     nice -n 10 cmake --build "$out" -j"$(nproc)" --target llama >"$out.build.log" 2>&1 \
         || { tail -30 "$out.build.log" >&2; exit 1; }
     sh probe/build.sh cross "$out/edgekv_probe" "$out" "$tree"
+    sh probe/build.sh cross "$out/edgekv_kernels" "$out" "$tree" edgekv_kernels
     signature "$tree" "$arch" >"$out/.built"
 }
 
 # what a build depends on: the tree's patches (its marker), the level, the probe's source
 signature() {
     { echo "$2"; cat "$1/../../.edgekv-patches" 2>/dev/null || echo stock;
-      cat probe/edgekv_probe.cpp probe/build.sh probe/aarch64-linux-gnu.cmake; } | sha256sum | cut -c1-16
+      cat probe/edgekv_probe.cpp probe/edgekv_kernels.cpp probe/build.sh probe/aarch64-linux-gnu.cmake; } \
+        | sha256sum | cut -c1-16
 }
 
 build() {
@@ -100,8 +115,36 @@ build() {
     done
 }
 
+# kernels: the kernel check under qemu at both levels, 1 and 2 threads, the switch on; the
+# levels' JSON side by side in build/arm/kernel-check.json. Fails where a column differs.
+kernels() {
+    local level
+    for level in dotprod i8mm; do
+        echo "arm_check.sh: kernel check at $level (qemu -cpu $(qemu_cpu "$level"))"
+        # exit 3 (a column differs) is reported below, from the JSON
+        qemu-aarch64 -cpu "$(qemu_cpu "$level")" -L /usr/aarch64-linux-gnu \
+            "build/arm/$level/edgekv_kernels" --invariant 1 --threads 1,2 \
+            --json "build/arm/$level/kernel-check.json" | tail -1 || [ $? -eq 3 ]
+    done
+    "$PY" - build/arm/kernel-check.json <<'EOF'
+import json, sys
+levels = {lv: json.load(open(f"build/arm/{lv}/kernel-check.json")) for lv in ("dotprod", "i8mm")}
+json.dump({"emulated": True, "qemu_cpu": {"dotprod": "cortex-a76", "i8mm": "max"},
+           "levels": levels}, open(sys.argv[1], "w"), indent=1)
+bad = [(lv, r["type"], r["buffer"], r["k"], r["threads"], r["first"])
+       for lv, d in levels.items() for r in d["rows"] if r["differ"]]
+for b in bad:
+    print("arm_check.sh: differs: %s %s %s k %d threads %d, first %s" % b, file=sys.stderr)
+if bad:
+    sys.exit(f"arm_check.sh: {len(bad)} kernel row(s) not batch-invariant on ARM")
+n = sum(len(d["rows"]) for d in levels.values())
+print(f"arm_check.sh: kernel check, {n} rows at both levels, every column bit-identical")
+EOF
+}
+
 check() {
     build
+    kernels
     local json=${ARM_JSON:-build/arm/kernels-arm.json}
     mkdir -p "$(dirname "$json")"
     HF_HUB_OFFLINE=1 .venv/bin/edgekv bench kernels --arch aarch64-dotprod,aarch64-i8mm \
@@ -122,6 +165,7 @@ EOF
 case "${1:-check}" in
 tools) tools ;;
 build) shift; build "$@" ;;
+kernels) build; kernels ;;
 check) check ;;
-*) echo "usage: scripts/arm_check.sh build [dotprod|i8mm ...] | check | tools" >&2; exit 2 ;;
+*) echo "usage: scripts/arm_check.sh build [dotprod|i8mm ...] | kernels | check | tools" >&2; exit 2 ;;
 esac

@@ -104,3 +104,7 @@ def test_the_series_carries_the_decode_paths():
     self_pair = "const bool self_pair = num_rows_per_vec_dot > 1 && ggml_cpu_batch_invariant();"
     assert self_pair in text["0009"]
     assert "if (!ggml_cpu_batch_invariant() &&" in text["0009"]
+    # 0010: one src1 column without the tiles, Q5_K from its blocks, every other tiled type
+    # from the unpacked weights (exercised by probe/edgekv_kernels.cpp, test_probe_c.py)
+    assert "static void tiled_q5_K_one_row(" in text["0010"]
+    assert "tiled_one_col<B, SUBBLK, HAS_MIN, BIAS>(" in text["0010"]

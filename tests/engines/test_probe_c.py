@@ -24,18 +24,28 @@ TREES = (ROOT / "build/patched/llama_cpp_python-0.3.36/vendor/llama.cpp",
          ROOT / "build/src/llama_cpp_python-0.3.36/vendor/llama.cpp")
 
 
-@pytest.fixture(scope="module")
-def c_probe(tmp_path_factory) -> Path:
+def _build(tmp_path_factory, program: str) -> Path:
+    """probe/<program>.cpp built against the .venv's engine (EdgeKV's patched build)."""
     import llama_cpp
 
     tree = next((t for t in TREES if (t / "include/llama.h").exists()), None)
     if tree is None:
         skip_or_fail("no llama.cpp tree with include/llama.h: run `make setup`")
-    out = tmp_path_factory.mktemp("probe") / "edgekv_probe"
+    out = tmp_path_factory.mktemp("probe") / program
     lib = Path(llama_cpp.__file__).parent / "lib"
-    subprocess.run(["sh", str(ROOT / "probe/build.sh"), "native", str(out), str(lib), str(tree)],
-                   check=True, capture_output=True, text=True)
+    subprocess.run(["sh", str(ROOT / "probe/build.sh"), "native", str(out), str(lib), str(tree),
+                    program], check=True, capture_output=True, text=True)
     return out
+
+
+@pytest.fixture(scope="module")
+def c_probe(tmp_path_factory) -> Path:
+    return _build(tmp_path_factory, "edgekv_probe")
+
+
+@pytest.fixture(scope="module")
+def c_kernels(tmp_path_factory) -> Path:
+    return _build(tmp_path_factory, "edgekv_kernels")
 
 
 @pytest.fixture(scope="module")
@@ -71,3 +81,32 @@ def test_c_probe_prints_what_the_python_probe_finds(c_probe, standin, tmp_path, 
         assert c["invariant"] and set(diffs) == {0.0}
     else:  # the stock kernels: a batch and a lone token sum in other orders
         assert max(diffs) > 0.0 and not c["invariant"]
+
+
+# the K-quant types x86 sends to the tiled mat-mul from 8 columns on (stock) and for every column
+# count with the switch on (0006; one-row kernels: Q6_K in 0006, Q5_K in 0010)
+TILED = {"q2_K", "q3_K", "q4_K", "q5_K", "q6_K", "iq4_xs"}
+
+
+@pytest.mark.parametrize("invariant", ["1", "0"])
+def test_kernel_check_a_column_alone_equals_it_in_every_batch(c_kernels, tmp_path, invariant):
+    """probe/edgekv_kernels.cpp: every weight type's mul_mat, each column computed alone equals
+    the same column in batches of 2-64, plain and repacked, 1 and 2 threads. With the stock
+    kernels (switch off) it sees the batch-size switch to the tiled path, so it can fail."""
+    out = tmp_path / "kernels.json"
+    run = subprocess.run([str(c_kernels), "--invariant", invariant, "--threads", "1,2",
+                          "--json", str(out)], capture_output=True, text=True, timeout=600)
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    assert report["batch_invariant"] is (invariant == "1")
+    assert TILED | {"q4_0", "q4_1", "q8_0", "iq4_nl", "f16"} <= {r["type"] for r in rows}
+    assert {r["threads"] for r in rows if not r["skipped"]} == {1, 2}
+    assert any(r["buffer"] == "CPU_REPACK" and not r["skipped"] for r in rows)
+    differ = {r["type"] for r in rows if r["differ"]}
+    if invariant == "1":
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert report["equal"] and not differ
+    else:
+        assert run.returncode == 3 and not report["equal"]
+        if os.uname().machine == "x86_64":  # the tiled path is x86's
+            assert TILED <= differ
