@@ -21,13 +21,14 @@ def apply(src: Path, pdir: Path = PATCHES) -> subprocess.CompletedProcess[str]:
 
 
 def tree_copy(tmp_path: Path) -> Path:
-    """A source root holding the vendored ggml CPU backend (the only part the series edits)."""
+    """A source root holding the parts of the vendored tree the series edits: ggml's CPU backend
+    and its public headers (0008 declares the setter in ggml-cpu.h)."""
     if not (VENDORED / "ggml/src/ggml-cpu").is_dir():
         skip_or_fail("the llama-cpp-python sdist is not extracted (make test and make "
                      "llama-server do it)")
     root = tmp_path / "llama_cpp_python"
-    dst = root / "vendor/llama.cpp/ggml/src/ggml-cpu"
-    shutil.copytree(VENDORED / "ggml/src/ggml-cpu", dst)
+    for part in ("ggml/src/ggml-cpu", "ggml/include"):
+        shutil.copytree(VENDORED / part, root / "vendor/llama.cpp" / part)
     return root
 
 
