@@ -134,6 +134,44 @@ void check(Row & row, ggml_backend_t be, const Weight & w, const std::vector<flo
     }
 }
 
+// what this build uses and the CPU it runs on: ggml's feature checks (the build's, which under
+// qemu are the emulated CPU's), and on x86 the model name of /proc/cpuinfo
+std::string machine() {
+    std::string m;
+#if defined(__x86_64__)
+    m = "x86_64";
+    if (FILE * f = fopen("/proc/cpuinfo", "r")) {
+        char line[512];
+        while (fgets(line, sizeof(line), f)) {
+            if (strncmp(line, "model name", 10) == 0 && strchr(line, ':')) {
+                std::string name = strchr(line, ':') + 2;
+                name.erase(name.find_last_not_of(" \n") + 1);
+                m += " " + name;
+                break;
+            }
+        }
+        fclose(f);
+    }
+#elif defined(__aarch64__)
+    m = "aarch64";
+#else
+    m = "unknown";
+#endif
+    const struct { const char * name; int (*has)(void); } feats[] = {
+        { "AVX2", ggml_cpu_has_avx2 }, { "FMA", ggml_cpu_has_fma }, { "AVX512", ggml_cpu_has_avx512 },
+        { "AVX512_VNNI", ggml_cpu_has_avx512_vnni }, { "AVX512_BF16", ggml_cpu_has_avx512_bf16 },
+        { "NEON", ggml_cpu_has_neon }, { "FP16_VA", ggml_cpu_has_fp16_va }, { "DOTPROD", ggml_cpu_has_dotprod },
+        { "MATMUL_INT8", ggml_cpu_has_matmul_int8 }, { "SVE", ggml_cpu_has_sve }, { "LLAMAFILE", ggml_cpu_has_llamafile },
+    };
+    std::string f;
+    for (const auto & x : feats) {
+        if (x.has()) {
+            f += (f.empty() ? "" : " ") + std::string(x.name);
+        }
+    }
+    return m + " (" + f + ")";
+}
+
 std::vector<int> parse_list(const char * s) {
     std::vector<int> out;
     for (const char * p = s; *p;) {
@@ -222,7 +260,8 @@ int main(int argc, char ** argv) {
             fprintf(stderr, "edgekv_kernels: cannot write %s\n", json);
             return 1;
         }
-        fprintf(f, "{\"batch_invariant\": %s, \"equal\": %s, \"batches\": [", on ? "true" : "false", equal ? "true" : "false");
+        fprintf(f, "{\"machine\": \"%s\", \"batch_invariant\": %s, \"equal\": %s, \"batches\": [", machine().c_str(),
+                on ? "true" : "false", equal ? "true" : "false");
         for (size_t i = 0; i < sizeof(BATCHES) / sizeof(BATCHES[0]); i++) fprintf(f, "%s%d", i ? ", " : "", BATCHES[i]);
         fprintf(f, "], \"rows\": [");
         for (size_t i = 0; i < rows.size(); i++) {

@@ -37,6 +37,9 @@ COMMANDS = {
     "chat": "edgekv bench seed --workload chat",
     "probe": "edgekv probe --json",
     "arm-probe": "scripts/arm_check.sh",
+    "kernel-check-x86": "probe/edgekv_kernels --invariant 1 --threads 1,2 --json (probe/build.sh)",
+    "kernel-check-x86-stock": "probe/edgekv_kernels --invariant 0 --threads 1,2 --json",
+    "kernel-check-arm": "scripts/arm_check.sh kernels",
 }
 
 # a file beside another run of the same bench stands for another condition (else it is an older

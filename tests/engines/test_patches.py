@@ -109,3 +109,5 @@ def test_the_series_carries_the_decode_paths():
     # from the unpacked weights (exercised by probe/edgekv_kernels.cpp, test_probe_c.py)
     assert "static void tiled_q5_K_one_row(" in text["0010"]
     assert "tiled_one_col<B, SUBBLK, HAS_MIN, BIAS>(" in text["0010"]
+    # 0011: on ARM with FP16 arithmetic, F16 products take tinyBLAS below 8 columns too
+    assert "if (n < 8 && !ggml_cpu_batch_invariant())" in text["0011"]
