@@ -51,6 +51,9 @@ CONDITIONS = {
     "kernels.json": "the AVX2-only machine kind (AMD EPYC without AVX512); reduced: 3 rounds, "
                     "every weight type and build",
     "kernels-zen4.json": "another machine kind: AMD EPYC Zen 4, 7 interleaved rounds",
+    "kernels-avx512-types.json": "another condition: the weight types of issue 33 (SmolLM2 "
+                                 "requantized to Q4_K_M, Q5_K_M, Q6_K, Q3_K_M, IQ4_XS, Q8_0), "
+                                 "7 interleaved rounds, on an AVX512 AMD EPYC",
     "kernels-arm.json": "another machine kind: aarch64 (dotprod, i8mm) under qemu-user, "
                         "exactness only",
     "faults.json": "reduced: 3 kills, 10 s windows",
