@@ -53,7 +53,7 @@ CONDITIONS = {
     "kernels-zen4.json": "another machine kind: AMD EPYC Zen 4, 7 interleaved rounds",
     "kernels-avx512-types.json": "another condition: the weight types of issue 33 (SmolLM2 "
                                  "requantized to Q4_K_M, Q5_K_M, Q6_K, Q3_K_M, IQ4_XS, Q8_0), "
-                                 "7 interleaved rounds, on an AVX512 AMD EPYC",
+                                 "7 interleaved rounds, on AMD EPYC Zen 4 (AVX512-VNNI)",
     "kernels-arm.json": "another machine kind: aarch64 (dotprod, i8mm) under qemu-user, "
                         "exactness only",
     "faults.json": "reduced: 3 kills, 10 s windows",
