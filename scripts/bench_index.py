@@ -55,7 +55,8 @@ CONDITIONS = {
                                  "requantized to Q4_K_M, Q5_K_M, Q6_K, Q3_K_M, IQ4_XS, Q8_0), "
                                  "7 interleaved rounds, on AMD EPYC Zen 4 (AVX512-VNNI)",
     "kernels-arm.json": "another machine kind: aarch64 (dotprod, i8mm) under qemu-user, "
-                        "exactness only",
+                        "exactness only; CI's `make arm-check`, edgekv rows (the stock rows "
+                        "before the series: git, 130b4c3)",
     "faults.json": "reduced: 3 kills, 10 s windows",
     "faults-full-50kills.json": "full size: 50 kills (before the current accounting)",
     "reuse-onnx.json": "another engine: ONNX Runtime",
