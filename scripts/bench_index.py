@@ -57,6 +57,11 @@ CONDITIONS = {
     "kernels-arm.json": "another machine kind: aarch64 (dotprod, i8mm) under qemu-user, "
                         "exactness only; CI's `make arm-check`, edgekv rows (the stock rows "
                         "before the series: git, 130b4c3)",
+    "kernel-check-x86.json": "the x86 run, EdgeKV's kernels (the switch on)",
+    "kernel-check-x86-stock.json": "another condition: the same build with the switch off "
+                                   "(ggml's own kernels: what the check sees without the series)",
+    "kernel-check-arm.json": "another machine kind: aarch64 under qemu-user, both levels, from "
+                             "CI's `make arm-check`",
     "faults.json": "reduced: 3 kills, 10 s windows",
     "faults-full-50kills.json": "full size: 50 kills (before the current accounting)",
     "reuse-onnx.json": "another engine: ONNX Runtime",

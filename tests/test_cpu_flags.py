@@ -136,6 +136,22 @@ def test_x86_unchanged_by_machine_option() -> None:
         "x86_64-sse42-avx-avx2-bmi2-fma-f16c-nollamafile")
 
 
+@pytest.mark.parametrize("listed", [ZEN4, HASWELL, HASWELL + " avx512_vnni avx512_bf16"])
+def test_x86_each_option_follows_the_recorded_flags(listed: str) -> None:
+    """The recorded flag lines above (a Zen 4, a Haswell, a Haswell claiming AVX512 parts without
+    the foundation): every option is ON exactly where its cpuinfo flags are all listed (the
+    AVX512 parts also need the foundation), never from the CPU running the test."""
+    flags = set(listed.split())
+    args = cpu_flags.flags_for("x86_64", f"flags\t\t: {listed}\n", True)
+    base = next(needed for needed, option in cpu_flags.X86_FEATURES if option == "GGML_AVX512")
+    foundation = all(f in flags for f in base)
+    for needed, option in cpu_flags.X86_FEATURES:
+        on = all(f in flags for f in needed)
+        if option.startswith("GGML_AVX512_"):
+            on = on and foundation
+        assert f"-D{option}={'ON' if on else 'OFF'}" in args, (option, args)
+
+
 def test_x86_cpuinfo_file(tmp_path: Path) -> None:
     f = tmp_path / "cpuinfo"
     f.write_text(f"processor\t: 0\nflags\t\t: {HASWELL}\n")
