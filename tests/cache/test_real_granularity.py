@@ -93,7 +93,8 @@ def test_probe_runs_once_and_is_recorded(kv, tmp_path):
     names = [s.name for s in probe_mod.schedules(p.tokens)]
     names += [s.name for s in probe_mod.long_schedules(p.long_tokens)] if p.long_tokens else []
     assert [r[0] for r in p.results][: len(names)] == names
-    assert len(p.results) == len(names) + (1 if p.sequences else 0)  # + the sequences batch
+    # + the sequences batch and the split prefill beside decode steps
+    assert len(p.results) == len(names) + (2 if p.sequences else 0)
     [recorded] = (tmp_path / "probes").glob("*.json")  # exactly one record, this engine's
     again = probe_mod.ProbeResult.from_json(json.loads(recorded.read_text()))
     assert again.key == p.key and again.results == p.results

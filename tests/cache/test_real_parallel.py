@@ -5,6 +5,7 @@ llama-cpp-python run with no cache gives it alone, bit for bit, cold and warm.""
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -87,6 +88,44 @@ def test_batched_requests_equal_plain_llama_cpp_cold_and_warm(kv, adapter, plain
             assert list(w.tokens) == out and np.array_equal(w.first_logits, first)
             if len(p) > 256:  # the manual, at least, came from the cache
                 assert w.cached_tokens > 128
+    finally:
+        slots.close()
+
+
+def test_prefill_cut_to_the_step_budget_beside_decoding_stays_exact(kv, adapter, plain):  # noqa: F811
+    """A long prompt arriving while three generations run goes in pieces that fit the step
+    budget (here so small that every such step takes the minimum piece), and every answer,
+    the long one's too, equals plain llama-cpp-python's alone."""
+    from edgekv.engines.llamacpp_slots import MIN_PIECE
+
+    need_token_granularity(kv)
+    slots = open_slots(kv, 4, step_budget_s=1e-4)
+    try:
+        assert slots.pool is not None and slots.pool.step_budget_s == 1e-4
+        prompts = [adapter.tokenize(f"Q: {q}\nA:") for q in QUESTIONS[:3]]
+        long = adapter.tokenize(chat(adapter, [("user", QUESTIONS[3])]))
+        assert len(long) > 8 * MIN_PIECE
+        out: list[object] = [None] * 4
+
+        def run(i: int, toks: list[int], n: int) -> None:
+            out[i] = kv.generate(toks, max_tokens=n, sequence=slots.sequences[i])
+
+        threads = [threading.Thread(target=run, args=(i, p, 40)) for i, p in enumerate(prompts)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 120
+        while slots.pool.steps < 3 and time.monotonic() < deadline:  # the three decode
+            time.sleep(0.005)
+        threads.append(threading.Thread(target=run, args=(3, long, 8)))
+        threads[-1].start()
+        for t in threads:
+            t.join(600)
+        stats = slots.stats()
+        assert stats["budgeted_steps"] > 0, stats  # the long prompt went in pieces
+        assert stats["step_budget_seconds"] == 1e-4 and stats["step_token_seconds"] > 0
+        for toks, r, n in zip([*prompts, long], out, (40, 40, 40, 8), strict=True):
+            first, want = plain(toks, n)
+            assert list(r.tokens) == want and np.array_equal(r.first_logits, first)
     finally:
         slots.close()
 

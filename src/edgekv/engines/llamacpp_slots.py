@@ -17,9 +17,18 @@ How, and why it stays exact:
   request on its own thread (`EdgeKV.generate(..., sequence=slot)`): its own injection, its
   own extraction, its own token list. A slot's `prefill` hands its tokens to the pool and waits.
 - The pool's thread gathers what the busy slots have handed in (a decode step's one token, a
-  prompt's next piece), decodes it as one batch and hands each slot its logits. A prompt goes
-  in pieces of at most `max_batch` tokens a step, decode tokens first, so that running
-  generations keep stepping while a long prompt is computed (llama-server's n_batch).
+  prompt's next piece), decodes it as one batch and hands each slot its logits. Decode tokens
+  go first, then prompts' pieces in arrival order.
+- Prefill never stalls decode (vLLM's chunked prefill, Sarathi-Serve's stall-free batching):
+  while any generation runs, a step holds every decode token plus only as much prefill as
+  fits a step budget (`step_budget_s`, `edgekv serve --step-budget-ms`), converted to tokens
+  by `StepCost`, a line (fixed cost + cost per token) fitted to the steps measured so far, so
+  the pieces follow the machine, the model and the load. With no generation running a prompt
+  goes in pieces of `max_batch` (llama-server's n_batch), the fastest way to its first token.
+  A piece of at least `MIN_PIECE` tokens goes in every step, so prompts progress however
+  many generations run. Where a prompt is cut changes only which tokens share a batch, and
+  that a token's numbers do not depend on its batch mates is what the probe checks (its
+  split-prefill schedule: a prompt in pieces beside other sequences' decode steps).
 - The rendezvous: a slot that just got logits samples its next token (about a millisecond) and
   hands it in. The pool waits for every such "stepping" slot, up to `gather_s`, so that their
   tokens share one batch rather than going out one at a time. A slot doing anything else (a
@@ -74,6 +83,50 @@ __all__ = ["Slot", "SlotPool"]
 log = logging.getLogger(__name__)
 
 
+MIN_PIECE = 16  # prefill tokens every step takes, whatever the budget (prompts progress)
+FIRST_PIECE = 64  # the piece beside running generations before any step was measured
+
+
+class StepCost:
+    """A step's seconds as `fixed + per_token * tokens`, fitted by exponentially weighted
+    least squares to the steps measured (recent ones count most: the machine's load and the
+    context's length move the cost)."""
+
+    def __init__(self, decay: float = 0.95) -> None:
+        self.decay = decay
+        self._w = self._n = self._t = self._nn = self._nt = 0.0
+        self.steps = 0
+        self.longest_s = 0.0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        d = self.decay
+        self._w = d * self._w + 1.0
+        self._n = d * self._n + tokens
+        self._t = d * self._t + seconds
+        self._nn = d * self._nn + tokens * tokens
+        self._nt = d * self._nt + tokens * seconds
+        self.steps += 1
+        self.longest_s = max(self.longest_s, seconds)
+
+    def line(self) -> tuple[float, float] | None:
+        """(fixed s, s per token), or None before any step."""
+        if self._w == 0.0 or self._n == 0.0:
+            return None
+        var = self._w * self._nn - self._n * self._n
+        slope = (self._w * self._nt - self._n * self._t) / var if var > 1e-9 * self._w ** 2 else 0.0
+        if slope <= 0.0:  # one batch size seen so far (or noise): all of it per token
+            return 0.0, self._t / self._n
+        return max(0.0, (self._t - slope * self._n) / self._w), slope
+
+    def tokens_within(self, budget_s: float) -> int | None:
+        """How many tokens a step can hold in `budget_s`; None before any step."""
+        got = self.line()
+        if got is None:
+            return None
+        fixed, per_token = got
+        return int(max(0.0, budget_s - fixed) / per_token)
+
+
 @dataclass(eq=False)
 class _Work:
     """Tokens one slot handed in: decoded over one or more steps, logits of the last."""
@@ -94,9 +147,11 @@ class SlotPool:
     """N slots over one llama.cpp context with a KV stream each; see the module doc."""
 
     def __init__(self, adapter: LlamaCppAdapter, n_seq: int, *, max_batch: int = 512,
-                 gather_s: float = 0.004) -> None:
+                 gather_s: float = 0.004, step_budget_s: float | None = 0.1) -> None:
         if n_seq < 2:
             raise EngineError(f"a slot pool needs at least 2 sequences, got {n_seq}")
+        if step_budget_s is not None and step_budget_s <= 0:
+            raise EngineError(f"step_budget_s={step_budget_s} must be > 0 (None: no budget)")
         if adapter.window.swa_layers:
             raise UnsupportedLayout(
                 "a sliding-window model's KV is read from the whole cache (one sequence per "
@@ -113,8 +168,11 @@ class SlotPool:
         self._stepping: set[int] = set()  # slots that got logits and may hand in soon
         self._arrivals = 0
         self._closed = False
-        # what batching did, for /metrics: steps decoded, tokens, the widest batch
-        self.steps = self.tokens = self.max_sequences = 0
+        self.step_budget_s = step_budget_s
+        self.cost = StepCost()
+        # what batching did, for /metrics: steps decoded, tokens, the widest batch; steps
+        # whose prefill the budget cut short
+        self.steps = self.tokens = self.max_sequences = self.budgeted_steps = 0
         self.slots = [Slot(self, s) for s in range(n_seq)]
         self._thread = threading.Thread(target=self._loop, name="edgekv-slots", daemon=True)
         self._thread.start()
@@ -177,9 +235,15 @@ class SlotPool:
         return self._closed
 
     def stats(self) -> dict[str, float]:
-        """Steps decoded, tokens decoded, the most sequences one step held."""
+        """Steps decoded, tokens decoded, the most sequences one step held; the step budget,
+        the steps it cut, the fitted step cost and the longest step."""
+        line = self.cost.line() or (0.0, 0.0)
         return {"steps": self.steps, "tokens": self.tokens,
-                "max_sequences": self.max_sequences}
+                "max_sequences": self.max_sequences,
+                "step_budget_seconds": self.step_budget_s or 0.0,
+                "budgeted_steps": self.budgeted_steps,
+                "step_fixed_seconds": line[0], "step_token_seconds": line[1],
+                "step_longest_seconds": self.cost.longest_s}
 
     def close(self) -> None:
         with self._cond:
@@ -191,8 +255,10 @@ class SlotPool:
 
     # -- the batching thread -------------------------------------------------------------
 
-    def _gather(self) -> list[_Work] | None:
-        """Wait for work, then for the stepping slots (up to `gather_s`); None once closed."""
+    def _gather(self) -> tuple[list[_Work], bool] | None:
+        """Wait for work, then for the stepping slots (up to `gather_s`): the work, decode
+        first, and whether a generation is running (a decode token in the work, or a slot
+        that stepped and is still sampling); None once closed."""
         with self._cond:
             while not self._pending and not self._closed:
                 self._cond.wait()
@@ -202,18 +268,38 @@ class SlotPool:
             while (self._stepping - self._pending.keys()
                    and (left := deadline - time.perf_counter()) > 0):
                 self._cond.wait(left)
-            return sorted(self._pending.values(), key=lambda w: (len(w.tokens) > 1, w.order))
+            work = sorted(self._pending.values(), key=lambda w: (not _decoding(w), w.order))
+            running = bool(self._stepping - self._pending.keys()) or any(map(_decoding, work))
+            return work, running
 
-    def _plan(self, work: list[_Work]) -> tuple[list[BatchItem], list[tuple[_Work, int]]]:
+    def _room(self, running: bool) -> int:
+        """The tokens one step may hold: `max_batch`, or with generations running what the
+        step budget fits (`_plan` still adds up to `MIN_PIECE` of prefill)."""
+        if not running or self.step_budget_s is None:
+            return self.max_batch
+        fits = self.cost.tokens_within(self.step_budget_s)
+        return min(self.max_batch, FIRST_PIECE if fits is None else fits)
+
+    def _plan(self, work: list[_Work], running: bool = False
+              ) -> tuple[list[BatchItem], list[tuple[_Work, int]]]:
         """One step's batch: every decode token, then prompts' next pieces in arrival order,
-        up to `max_batch` tokens in all (at least one piece); (work, tokens taken) each."""
+        up to `_room` tokens in all but at least `MIN_PIECE` of prefill (never over
+        `max_batch`); (work, tokens taken) each."""
         items: list[BatchItem] = []
         taken: list[tuple[_Work, int]] = []
+        budget = self._room(running)
+        prefill = 0
         for w in work:
             room = self.max_batch - len(items)
+            if not _decoding(w):
+                room = min(room, max(budget - len(items), MIN_PIECE - prefill))
             if room <= 0:
                 break
             n = min(len(w.tokens) - w.sent, room)
+            if not _decoding(w):
+                prefill += n
+                if w.sent + n < len(w.tokens) and budget < self.max_batch:
+                    self.budgeted_steps += 1  # the budget, not max_batch, cut this prompt
             last = w.sent + n == len(w.tokens)
             items += [(t, w.pos + w.sent + i, w.seq, w.every or (last and i == n - 1))
                       for i, t in enumerate(w.tokens[w.sent : w.sent + n])]
@@ -221,11 +307,14 @@ class SlotPool:
         return items, taken
 
     def _loop(self) -> None:
-        while (work := self._gather()) is not None:
-            items, taken = self._plan(work)
+        while (got := self._gather()) is not None:
+            work, running = got
+            items, taken = self._plan(work, running)
             try:
                 with self._lock:
+                    t0 = time.perf_counter()
                     logits = self._ctx.decode(items)
+                    self.cost.observe(len(items), time.perf_counter() - t0)
             except BaseException as e:  # noqa: BLE001 - handed to the slots that waited
                 with self._cond:
                     for w, _ in taken:
@@ -253,6 +342,11 @@ class SlotPool:
                 w.error = EngineError("the slot pool closed")
                 w.done.set()
             self._pending.clear()
+
+
+def _decoding(w: _Work) -> bool:
+    """A generation's step (its next token, or drafts to verify), not a prompt's piece."""
+    return w.every or len(w.tokens) == 1
 
 
 class Slot(SequenceAdapter):

@@ -24,7 +24,8 @@ bit for bit with a one-batch run:
   `probe_batch.py`): what a server that batches concurrent requests computes, against each
   sequence alone. The same with one unified KV cache is measured and recorded (`notes`), but
   does not decide: EdgeKV runs one sequence per context, and a server that batches can choose
-  per-sequence streams.
+  per-sequence streams. And one sequence's prompt in uneven pieces beside the others' decode
+  steps: what a server's step budget does (stall-free prefill, `llamacpp_slots`).
 - drafts verified in one batch (the last token and 7 drafts, logits at every position, 3 of
   them rejected and their cells removed) against decode steps (`probe_spec`): recorded in
   `notes` as well; it decides whether speculative decoding may run, not the granularity.
@@ -80,7 +81,7 @@ PROBE_TOKENS = 280  # crosses a 128-token chunk boundary twice and the 256-cell 
 # the long prompt: 2,000+ tokens (issue 20) inside the default 2,048-token context, so four
 # ubatches of 512 and a KV far past the 512 cells where a lone row's attention is split
 LONG_PROBE_TOKENS = 2040
-PROBE_VERSION = 2  # bump when the schedules change: older records are then re-measured
+PROBE_VERSION = 3  # bump when the schedules change: older records are then re-measured
 # what a short probe (`stage="short"`) leaves for `finish_probe`
 LATER_STAGES = ("long schedules", "multi-sequence batch")
 # environment switches that change which kernels the engine runs (ggml CPU backend; the patch
@@ -336,7 +337,7 @@ def finish_probe(adapter: KVAdapter, first: ProbeResult, long_tokens: int = LONG
     """The stages a short probe (`first`) left pending: the long prompt's schedules and the
     multi-sequence batch; the whole answer. The engine's context is left empty. `stop`, once
     set, raises `ProbeStopped` before the next schedule."""
-    from .probe_batch import multi_sequence_diff, multi_sequence_prompts
+    from .probe_batch import multi_sequence_diff, multi_sequence_prompts, split_prefill_diff
 
     def check() -> None:
         if stop is not None and stop.is_set():
@@ -365,6 +366,10 @@ def finish_probe(adapter: KVAdapter, first: ProbeResult, long_tokens: int = LONG
         if multi is not None:
             results.append(multi)
             sequences = len(multi_sequence_prompts(toks))
+            check()
+            split = split_prefill_diff(adapter, toks)  # what a server's step budget does
+            if split is not None:
+                results.append(split)
             check()
             unified = multi_sequence_diff(adapter, toks, unified=True)
             if unified is not None:

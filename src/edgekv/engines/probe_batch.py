@@ -6,9 +6,12 @@ others'. Reused KV (and the answer a warm request gets) equals a cold run only i
 numbers do not depend on which other sequences' tokens sit in its batch. This check decodes a
 few sequences (prompts sharing a prefix, like chats sharing a system prompt) together, in a
 second context of the same model with one sequence id each: their prompts in one batch, then
-four decode steps with one token of every sequence per batch. Every sequence's logits at each
-step are compared bit for bit with the same sequence decoded alone, in one batch, through the
-adapter's own context (what a plain user of the engine gets). The KV is compared through the
+four decode steps with one token of every sequence per batch. A second schedule is what a
+server's step budget does (`llamacpp_slots`, stall-free prefill): two sequences decode while
+the third's prompt goes in pieces of uneven sizes, one piece beside each of their steps.
+Every sequence's logits at each step are compared bit for bit with the same sequence decoded
+alone, in one batch, through the adapter's own context (what a plain user of the engine
+gets). The KV is compared through the
 logits of the later steps, which attend to it.
 
 Two KV layouts, measured apart: one KV stream per sequence (llama.cpp `kv_unified=false`: a
@@ -34,9 +37,11 @@ import numpy as np
 
 from ..errors import EngineError
 
-__all__ = ["MULTI_SEQ_STEPS", "MultiSequenceKV", "multi_sequence_diff", "multi_sequence_prompts"]
+__all__ = ["MULTI_SEQ_STEPS", "SPLIT_PIECES", "MultiSequenceKV", "multi_sequence_diff",
+           "multi_sequence_prompts", "split_prefill_diff"]
 
 MULTI_SEQ_STEPS = 4  # decode steps after the prompts, as in the single-sequence probe
+SPLIT_PIECES = (5, 16, 33)  # a prompt's first pieces beside decode steps (the rest: the 4th)
 
 
 class SequenceDecoder(Protocol):
@@ -105,6 +110,49 @@ def multi_sequence_diff(adapter: Any, tokens: Sequence[int], *,
                           for s, (p, steps) in enumerate(seqs)]
             for s, x in enumerate(ctx.decode(step_items)):
                 got[s].append(x)
+    for r_seq, g_seq in zip(ref, got, strict=True):
+        for r, g in zip(r_seq, g_seq, strict=True):
+            d = float(np.max(np.abs(r - g)))
+            diff = max(diff, d)
+            same = same and d == 0.0
+    return name, diff, same
+
+
+def split_prefill_diff(adapter: Any, tokens: Sequence[int]) -> tuple[str, float, bool] | None:
+    """(schedule name, max |logit diff| vs each sequence alone, all identical): two sequences'
+    prompts in one batch, then the third's prompt in pieces (`SPLIT_PIECES`, then the rest),
+    each batched with one decode token of each of the two, then the third's decode steps;
+    one KV stream per sequence. None where the adapter has no sequence ids."""
+    if not isinstance(adapter, MultiSequenceKV):
+        return None
+    seqs = multi_sequence_prompts(tokens)
+    (pa, sa), (pb, sb), (pc, sc) = seqs
+    cuts = [0, *(sum(SPLIT_PIECES[: i + 1]) for i in range(len(SPLIT_PIECES))), len(pc)]
+    if cuts[-2] >= len(pc) or len(cuts) - 1 != MULTI_SEQ_STEPS:
+        raise EngineError(f"the split-prefill probe needs a prompt of more than {cuts[-2]} "
+                          f"tokens and {len(cuts) - 1} pieces")
+    pieces = ", ".join(str(b - a) for a, b in zip(cuts, cuts[1:]))
+    name = (f"a prompt in pieces of {pieces} tokens beside 2 sequences' decode steps, a KV "
+            "stream each")
+    ref = [_alone(adapter, p, s) for p, s in seqs]
+    total = sum(len(p) + len(s) for p, s in seqs)
+    got: list[list[np.ndarray]] = [[], [], []]
+    with adapter.sequence_context(len(seqs), total, unified=False) as ctx:
+        items = [(t, pos, s, pos == len(p) - 1)
+                 for s, p in ((0, pa), (1, pb)) for pos, t in enumerate(p)]
+        for s, x in enumerate(ctx.decode(items)):
+            got[s].append(x)
+        for step, (lo, hi) in enumerate(zip(cuts, cuts[1:])):
+            step_items = [(sa[step], len(pa) + step, 0, True), (sb[step], len(pb) + step, 1, True)]
+            step_items += [(pc[i], i, 2, i == hi - 1) for i in range(lo, hi)]
+            out = ctx.decode(step_items)
+            got[0].append(out[0])
+            got[1].append(out[1])
+            if hi == len(pc):
+                got[2].append(out[2])
+        for step, t in enumerate(sc):
+            got[2] += ctx.decode([(t, len(pc) + step, 2, True)])
+    diff, same = 0.0, True
     for r_seq, g_seq in zip(ref, got, strict=True):
         for r, g in zip(r_seq, g_seq, strict=True):
             d = float(np.max(np.abs(r - g)))

@@ -1,0 +1,97 @@
+"""The slots' step budget (stall-free prefill, `engines.llamacpp_slots`): the step cost fitted
+to measured steps, and a step's plan: every decode token, prefill cut to what the budget fits
+while generations run, whole `max_batch` pieces while none does. The real engine's answers
+under the budget: tests/cache/test_real_parallel.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from edgekv.engines.llamacpp_slots import FIRST_PIECE, MIN_PIECE, SlotPool, StepCost, _Work
+
+
+def test_the_step_cost_is_the_line_through_the_measured_steps():
+    cost = StepCost()
+    assert cost.line() is None and cost.tokens_within(0.1) is None
+    for n in (1, 4, 8, 64, 512, 3, 100):
+        cost.observe(n, 0.004 + 0.006 * n)
+    fixed, per_token = cost.line()
+    assert fixed == pytest.approx(0.004) and per_token == pytest.approx(0.006)
+    assert cost.tokens_within(0.1) == 16  # (100 - 4) / 6
+    assert cost.tokens_within(0.001) == 0
+    assert cost.longest_s == pytest.approx(0.004 + 0.006 * 512)
+
+
+def test_one_batch_size_seen_counts_all_of_it_per_token():
+    cost = StepCost()
+    cost.observe(10, 0.05)
+    cost.observe(10, 0.05)
+    assert cost.line() == (0.0, pytest.approx(0.005))
+
+
+def test_recent_steps_count_most():
+    cost = StepCost(decay=0.5)
+    for n in (1, 100) * 10:
+        cost.observe(n, 0.01 * n)  # a slow machine...
+    for n in (1, 100) * 20:
+        cost.observe(n, 0.001 * n)  # ...that got fast
+    assert cost.line()[1] == pytest.approx(0.001, rel=1e-3)
+
+
+def pool(budget: float | None, max_batch: int = 512) -> SlotPool:
+    """A pool's planner alone (no engine): what `_plan` reads."""
+    p = SlotPool.__new__(SlotPool)
+    p.max_batch, p.step_budget_s, p.cost, p.budgeted_steps = max_batch, budget, StepCost(), 0
+    return p
+
+
+def decode(seq: int) -> _Work:
+    return _Work(seq, [7], 100, seq)
+
+
+def prompt(seq: int, n: int) -> _Work:
+    return _Work(seq, list(range(n)), 0, 10 + seq)
+
+
+def test_running_generations_get_every_token_and_prefill_what_fits():
+    p = pool(0.1)
+    for n in (1, 50, 200):
+        p.cost.observe(n, 0.002 + 0.004 * n)  # 24 tokens in 100 ms
+    work = [decode(0), decode(1), prompt(2, 600)]
+    items, taken = p._plan(work, running=True)
+    assert [(w.seq, n) for w, n in taken] == [(0, 1), (1, 1), (2, 22)]
+    assert len(items) == 24 and p.budgeted_steps == 1
+    assert [i[2] for i in items[:2]] == [0, 1] and all(i[3] for i in items[:2])
+    assert not any(i[3] for i in items[2:])  # no logits before the prompt's last token
+
+
+def test_with_nothing_decoding_a_prompt_goes_in_max_batch_pieces():
+    p = pool(0.1)
+    p.cost.observe(100, 1.0)
+    items, taken = p._plan([prompt(0, 600), prompt(1, 50)], running=False)
+    assert [(w.seq, n) for w, n in taken] == [(0, 512)] and p.budgeted_steps == 0
+
+
+def test_a_minimum_piece_goes_in_however_many_generations_run():
+    p = pool(0.01)
+    p.cost.observe(1, 0.02)  # one decode token alone is over the budget
+    work = [decode(s) for s in range(8)] + [prompt(8, 100), prompt(9, 100)]
+    _, taken = p._plan(work, running=True)
+    assert [n for _, n in taken] == [1] * 8 + [MIN_PIECE]
+
+
+def test_before_any_step_a_first_piece_and_without_a_budget_max_batch():
+    _, taken = pool(0.1)._plan([decode(0), prompt(1, 600)], running=True)
+    assert [n for _, n in taken] == [1, FIRST_PIECE - 1]
+    _, taken = pool(None)._plan([decode(0), prompt(1, 600)], running=True)
+    assert [n for _, n in taken] == [1, 511]
+
+
+def test_a_prompt_that_fits_ends_and_the_next_one_starts_in_the_same_step():
+    p = pool(0.1)
+    p.cost.observe(1, 0.001)
+    p.cost.observe(50, 0.05)  # 100 tokens in 100 ms
+    work = [decode(0), prompt(1, 30), prompt(2, 600)]
+    items, taken = p._plan(work, running=True)
+    assert [(w.seq, n) for w, n in taken] == [(0, 1), (1, 30), (2, 69)]
+    assert items[30][3]  # the first prompt's last token has its logits
