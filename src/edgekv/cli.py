@@ -271,6 +271,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
 # and `demo` as entry points of this group. Their names are listed without importing them, so
 # `edgekv --help` loads no benchmark; a plugin's module is imported only when it is run.
 PLUGIN_GROUP = "edgekv.commands"
+DEFAULT_SLOTS = 4  # `edgekv serve --parallel`: llama-server's default slots
 LAB_COMMANDS = {"bench": "benchmarks and harnesses (write JSON): `edgekv bench NAME --help`",
                 "demo": "cold vs warm on real prompts (what `make run` shows)"}
 
@@ -344,16 +345,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.approximate and not args.semantic:
         raise ConfigError("--approximate finds similar prompts through semantic routing: add "
                           "--semantic")
-    if args.parallel < 1:
+    if args.parallel is not None and args.parallel < 1:
         raise ConfigError(f"--parallel {args.parallel}: give 1 or more")
-    if args.parallel > 1 and (args.kv_server or args.passage_reuse):
+    one_seq = "--kv-server" if args.kv_server else "--passage-reuse" if args.passage_reuse else ""
+    if args.parallel is not None and args.parallel > 1 and one_seq:
         raise ConfigError(f"--parallel {args.parallel} batches requests on one context; "
-                          f"{'--kv-server' if args.kv_server else '--passage-reuse'} works on "
-                          "one sequence at a time: drop one of them")
+                          f"{one_seq} works on one sequence at a time: drop one of them")
+    # as llama-server: 4 slots by default, where the probe shows batching exact (open_slots
+    # says why not otherwise); a switch that fills one sequence per context keeps 1
+    parallel = args.parallel or (1 if one_seq else DEFAULT_SLOTS)
+    if args.step_budget_ms < 0:
+        raise ConfigError(f"--step-budget-ms {args.step_budget_ms}: give 0 (off) or more")
     fill = _kv_loader(args)  # its switches are checked before the socket is up
     opts = ServeOptions(api_keys=api_keys(args.api_key or (), args.api_key_file or ()),
                         max_queue=args.max_queue, use_cache=not args.no_cache,
-                        allow_approximate=args.approximate, parallel=args.parallel,
+                        allow_approximate=args.approximate, parallel=parallel,
+                        step_budget_s=args.step_budget_ms / 1000 or None,
                         kv_tenant=args.kv_tenant if fill is not None else None,
                         ui=not args.no_ui)  # keys first
     model = resolve_model(args.model)  # a bad --model fails now, not after the socket is up
@@ -368,10 +375,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"edgekv serve: listening on {url} ({page}OpenAI API under {url}/v1; model "
               f"{model.stem} loading, GET /health answers 200 when ready)", flush=True)
 
-    # a first start serves after the probe's short stage, whole chunks until the rest passes
-    # in the background; --parallel N needs the whole answer (its multi-sequence schedule
-    # decides the slots) before it opens them
-    staged = _staged_probe() and args.parallel == 1
+    # a first start serves after the probe's short stage, whole chunks and one request at a
+    # time until the rest passes in the background (its multi-sequence schedule decides the
+    # slots, opened then)
+    staged = _staged_probe()
     return run(lambda: load_edgekv(model, cfg, n_ctx=args.n_ctx, engine=args.engine,
                                    store_url=args.store, n_threads=args.threads,
                                    flash_attn=args.flash_attn, semantic=args.semantic,
@@ -584,12 +591,20 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--no-ui", action="store_true", help="no page at / (the API is unchanged)")
     sv.add_argument("--max-queue", type=int, default=16,
                     help="waiting requests per tenant before 429 (default 16)")
-    sv.add_argument("--parallel", type=int, default=1, metavar="N",
+    sv.add_argument("--parallel", type=int, metavar="N",
                     help="generate up to N requests at once, their prefill and decode tokens "
                     "batched in one llama.cpp context (a KV stream each), as llama-server's "
                     "slots do. Used only where the batch-invariance probe shows batching "
                     "keeps every answer exact; else one at a time, and /health's parallel "
-                    "object and /metrics (edgekv_batch_slots) say why (default 1)"),
+                    "object, the startup log and /metrics (edgekv_batch_slots) say why. A "
+                    "first start runs one at a time until the probe's multi-sequence "
+                    f"schedule passes in the background (default {DEFAULT_SLOTS}, as "
+                    "llama-server; 1 with --kv-server or --passage-reuse)")
+    sv.add_argument("--step-budget-ms", type=float, default=100.0, metavar="MS",
+                    help="with slots: the longest a step that holds running generations' "
+                    "tokens may take; a prompt's prefill beside them is cut into pieces "
+                    "that fit, sized from the measured step cost, so no stream stalls "
+                    "(default 100; 0: pieces of 512 tokens, as llama-server's n_batch)")
     r = sv.add_argument_group("reuse beyond exact prefixes (each labelled in the response's "
                               "edgekv object)")
     r.add_argument("--semantic", action="store_true",

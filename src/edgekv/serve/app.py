@@ -16,6 +16,7 @@ EdgeKV's extensions (schemas.py, responses.py): `documents` (RAG passages, with
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import threading
 import time
@@ -52,12 +53,15 @@ from .metrics import CONTENT_TYPE, CountResponses, ServeMetrics
 from .responses import DONE, TIER_HEADER, CompletionShape, EventStream, sse
 from .scheduler import Job, Scheduler
 from .schemas import ChatRequest, CompletionRequest, parse_request
-from .slots import Slots, open_slots
+from .slots import PENDING, Slots, open_slots
 from .structured import response_grammar
 from .tools import ToolPlan, chat_prompt, plan_tools
 from .ui import mount
 
 __all__ = ["ServeOptions", "create_app"]
+
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True, slots=True)
 class ServeOptions:
@@ -69,11 +73,14 @@ class ServeOptions:
     allow_approximate: bool = False  # --approximate: a request may ask `"approximate": true`
     kv_tenant: str | None = None  # --kv-server: untenanted requests use this tenant's chain
     parallel: int = 1  # --parallel: requests generating at once, where batching is exact
+    step_budget_s: float | None = 0.1  # --step-budget-ms: a batched step's prefill cut to fit
     ui: bool = True  # the page at / (ui.py); --no-ui: 404 there
 
     def __post_init__(self) -> None:
         if self.parallel < 1:
             raise ConfigError(f"parallel={self.parallel} must be >= 1")
+        if self.step_budget_s is not None and self.step_budget_s <= 0:
+            raise ConfigError(f"step_budget_s={self.step_budget_s} must be > 0 (None: off)")
         if self.max_queue < 1 or (self.max_waiting is not None and self.max_waiting < 1):
             raise ConfigError(f"max_queue={self.max_queue} (and max_waiting) must be >= 1")
         if self.max_body_bytes < 1024:
@@ -173,14 +180,28 @@ class _Server:
         return 1 if self.slots is None else self.slots.count
 
     def _serve(self, kv: EdgeKV) -> None:
-        self.slots = open_slots(kv, self.options.parallel)
+        self.slots = open_slots(kv, self.options.parallel,
+                                step_budget_s=self.options.step_budget_s)
         self.served = ServedModel(kv, self.model_id, use_cache=self.options.use_cache,
                                   kv_tenant=self.options.kv_tenant,
                                   sequences=self.slots.sequences)
         if kv.router is not None:
             self.metrics.routing()
         if kv.probe_pending:  # a staged first start (runner.py): the rest in the background
-            self._probing = kv.finish_probe()
+            self._probing = kv.finish_probe(then=self._open_slots)
+
+    def _open_slots(self, _probe: object) -> None:
+        """The probe became whole (on its own thread): open the slots a staged start could
+        not, and a worker for each; a job running now finishes where it started."""
+        if self.slots is None or self.slots.reason != PENDING or self.served is None:
+            return
+        slots = open_slots(self.served.kv, self.options.parallel,
+                           step_budget_s=self.options.step_budget_s)
+        log.warning("the probe is whole: %s", slots.reason)
+        if slots.sequences:
+            self.served.sequences = slots.sequences
+            self.scheduler.add_workers(slots.count)
+        self.slots = slots
 
     def close(self) -> None:
         if self._probing is not None:  # ends between two of its schedules
@@ -296,6 +317,7 @@ class _Server:
                 "batch_invariant": None if kernels is None else kernels.batch_invariant,
                 "flash_attn": None if kernels is None else kernels.flash_attn,
                 "reuse_granularity": kv.granularity, "why": kv.granularity_reason,
+                "chunk_tokens": kv.config.chunk_size,
                 "probe_pending": list(kv.probe_pending),
                 "speculative": kv.speculation_reason}
 

@@ -28,7 +28,7 @@ from ..core.pipeline import EdgeKV
 from ..core.request import GenerationResult, Request, Sampling
 from ..engines.base import KVAdapter
 from ..engines.constraint import Chain, Constraint, Grammar, grammar_constraint
-from ..errors import EdgeKVError, EngineError, PromptError
+from ..errors import Cancelled, EdgeKVError, EngineError, PromptError
 from ..keys import KV_SERVER_TENANTS, SERVE_TENANTS
 from ..limits import fit
 from .decode import IncrementalText
@@ -246,8 +246,11 @@ class ServedModel:
         try:
             r = self.kv.generate(replace(prepared, sampling=replace(prepared.sampling,
                                                                      constraint=constraint)),
-                                 on_token=on_token,
+                                 on_token=on_token, cancelled=job.cancelled,
                                  sequence=self.sequences[job.worker] if self.sequences else None)
+        except Cancelled:  # the client went away while it waited: nobody to answer
+            log.debug("request %s cancelled while it waited", job.request_id)
+            return
         except EdgeKVError as e:  # its message goes to the client, not to the log
             log.warning("request %s refused by generate: %s", job.request_id, type(e).__name__)
             log.debug("request %s refused by generate", job.request_id, exc_info=e)

@@ -18,7 +18,11 @@ once loaded `edgekv_batch_slots` (requests generating at once: 1 where `--parall
 to one at a time, and `/health`'s `parallel.reason` says why), `edgekv_batch_requested`,
 `edgekv_batch_steps_total`, `edgekv_batch_tokens_total`, `edgekv_batch_max_sequences`,
 `edgekv_batch_prefix_waits_total` and `edgekv_batch_prefix_wait_seconds_total` (requests that
-waited for another slot's prompt chunks, and for how long: `EdgeKV.generate`).
+waited for another slot's prompt chunks, and for how long: `EdgeKV.generate`),
+`edgekv_batch_slot_tokens` (what a slot's own KV stream holds), and the step budget's
+`edgekv_batch_budgeted_steps_total`, `edgekv_batch_step_budget_seconds`, the fitted
+`edgekv_batch_step_fixed_seconds` and `edgekv_batch_step_token_seconds`, and
+`edgekv_batch_step_longest_seconds`.
 """
 
 from __future__ import annotations
@@ -230,10 +234,19 @@ def _parallel_collector(stats: Callable[[], Mapping[str, float] | None]) -> _Sta
         "tokens": "Tokens decoded in batched steps (prompt and generated)",
         "prefix_waits": "Requests that waited for another slot to store the prompt chunk "
                         "it was computing, instead of computing it too",
-        "prefix_wait_seconds": "Time those requests waited"},
+        "prefix_wait_seconds": "Time those requests waited",
+        "budgeted_steps": "Steps whose prefill the step budget cut short (stall-free "
+                          "prefill beside running generations)"},
         {"slots": "Requests that generate at once (1: one at a time; /health says why)",
          "requested": "Slots asked for with --parallel",
-         "max_sequences": "The most sequences one batched step held"})
+         "max_sequences": "The most sequences one batched step held",
+         "slot_tokens": "Context tokens each slot holds (a KV stream of its own per slot; 0: "
+                        "no slots)",
+         "step_budget_seconds": "--step-budget-ms: the longest a step beside running "
+                                "generations may take (0: off)",
+         "step_fixed_seconds": "The fitted cost of a step, fixed part",
+         "step_token_seconds": "The fitted cost of a step, per token",
+         "step_longest_seconds": "The longest batched step so far"})
 
 
 def _spec_collector(stats: Callable[[], Mapping[str, float] | None]) -> _StatsCollector:

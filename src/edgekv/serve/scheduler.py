@@ -118,6 +118,15 @@ class Scheduler:
         `setup` returns how many workers to run in all (None: one); the others start then."""
         self._spawn(0, setup, on_error)
 
+    def add_workers(self, total: int) -> None:
+        """Run `total` workers in all (a server whose slots opened after its first start);
+        worker i runs on slot i from its next job on."""
+        with self._cond:
+            if self._stopping:
+                return
+            for i in range(len(self._threads), total):
+                self._spawn(i)
+
     def submit(self, job: Job) -> None:
         """Queue `job` behind its tenant's earlier jobs, or raise QueueFull (429) at once."""
         with self._cond:

@@ -15,7 +15,9 @@ run computes; both are what the batch-invariance probe measures, so slots are us
   per context).
 
 Where any fails, `Slots.sequences` is empty, `reason` says which, and the server runs one
-request at a time and says so in `/health` and `/metrics`.
+request at a time and says so in `/health` and `/metrics`. A first start that serves after
+the probe's short stage (its multi-sequence schedule then runs in the background) runs one at
+a time until that schedule passes, then opens the slots (`serve.app`).
 
 Speed: build the EdgeKV (model load and probe) on a thread that has ended before the slots
 compute, as `edgekv serve` does (see `engines.llamacpp_slots`: OpenMP teams).
@@ -35,7 +37,7 @@ from ..errors import EdgeKVError
 if TYPE_CHECKING:
     from ..engines.llamacpp_slots import SlotPool
 
-__all__ = ["Slots", "open_slots"]
+__all__ = ["PENDING", "Slots", "open_slots"]
 
 log = logging.getLogger(__name__)
 
@@ -56,29 +58,48 @@ class Slots:
         return len(self.sequences) or 1
 
     def as_dict(self) -> dict[str, object]:
-        """The `parallel` object of `/health`."""
-        return {"requested": self.requested, "slots": self.count,
-                "batched": bool(self.sequences), "reason": self.reason}
+        """The `parallel` object of `/health`: slots, why, how the context is shared (a KV
+        stream of its own per slot, each holding a whole `--n-ctx`) and the step budget."""
+        out: dict[str, object] = {"requested": self.requested, "slots": self.count,
+                                  "batched": bool(self.sequences), "reason": self.reason}
+        if self.pool is not None:
+            budget = self.pool.step_budget_s
+            out |= {"kv": "a stream per slot", "slot_tokens": self.pool.adapter.n_ctx,
+                    "step_budget_ms": None if budget is None else round(budget * 1000, 3)}
+        return out
 
     def stats(self) -> dict[str, float]:
         """For /metrics: slots, and the pool's batching counters (0 without a pool)."""
         batched = (self.pool.stats() if self.pool is not None
-                   else {"steps": 0, "tokens": 0, "max_sequences": 0})
+                   else dict.fromkeys(("steps", "tokens", "max_sequences", "budgeted_steps",
+                                       "step_budget_seconds", "step_fixed_seconds",
+                                       "step_token_seconds", "step_longest_seconds"), 0.0))
+        slot_tokens = self.pool.adapter.n_ctx if self.pool is not None else 0
         return {"slots": float(self.count), "requested": float(self.requested),
-                **{k: float(v) for k, v in batched.items()}}
+                "slot_tokens": float(slot_tokens), **{k: float(v) for k, v in batched.items()}}
 
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()
 
 
-def open_slots(kv: EdgeKV, requested: int) -> Slots:
+PENDING = ("one request at a time until the probe's multi-sequence schedule, running in "
+           "the background, passes")
+
+
+def open_slots(kv: EdgeKV, requested: int, *, step_budget_s: float | None = 0.1) -> Slots:
     """`requested` sequences over `kv`'s engine where batching them is exact (module doc),
-    else none, with the reason."""
+    else none, with the reason. `step_budget_s`: the longest a step holding decode tokens
+    may take, prefill pieces cut to fit (`SlotPool`; None: pieces of its `max_batch`).
+
+    A staged first start (the probe's later stages still pending) gets none, with
+    `PENDING` as the reason: open them again once the probe is whole."""
     if requested < 1:
         raise EdgeKVError(f"--parallel {requested}: give 1 or more")
     if requested == 1:
         return Slots(1, (), "one request at a time (--parallel 1)")
+    if kv.probe_pending and _refusal(kv, pending_ok=True) is None:
+        return Slots(requested, (), PENDING)
     why = _refusal(kv)
     if why is None:
         from ..engines.llamacpp import LlamaCppAdapter
@@ -86,7 +107,7 @@ def open_slots(kv: EdgeKV, requested: int) -> Slots:
 
         assert isinstance(kv.adapter, LlamaCppAdapter)
         try:
-            pool = SlotPool(kv.adapter, requested)
+            pool = SlotPool(kv.adapter, requested, step_budget_s=step_budget_s)
         except EdgeKVError as e:
             why = f"the slots could not be made: {e}"
         else:
@@ -99,17 +120,20 @@ def open_slots(kv: EdgeKV, requested: int) -> Slots:
     return Slots(requested, (), f"one request at a time: {why}")
 
 
-def _refusal(kv: EdgeKV) -> str | None:
-    """Why `kv`'s requests cannot be batched exactly; None where they can."""
+def _refusal(kv: EdgeKV, *, pending_ok: bool = False) -> str | None:
+    """Why `kv`'s requests cannot be batched exactly; None where they can. `pending_ok`:
+    leave out what the probe's pending stages decide (whether they may, once it is whole)."""
     from ..engines.llamacpp import LlamaCppAdapter
 
     if not isinstance(kv.adapter, LlamaCppAdapter):
         return (f"the {type(kv.adapter).__name__} engine has no sequence ids to batch "
                 "requests under")
-    if not kv.token_exact:
+    if pending_ok:
+        pass
+    elif not kv.token_exact:
         return ("reuse is whole chunks (" + kv.granularity_reason + "), so a token's numbers "
                 "depend on its batch and batching would change the answers")
-    if kv.probe is None or not kv.probe.sequences:
+    elif kv.probe is None or not kv.probe.sequences:
         return "the probe did not measure several sequences in one batch on this engine"
     if not isinstance(kv.fill, LocalPrefill):
         return (f"the fill step ({type(kv.fill).__name__}: passage reuse or --kv-server) "
