@@ -4,6 +4,7 @@
     ├── ConfigError            a setting is out of range
     ├── PromptError            a prompt that cannot be answered as given (empty, too long):
     │                          carries OpenAI's error `code` and the request field at fault
+    ├── Cancelled              the caller stopped a generation before it began
     ├── ModelNotFound          no GGUF file where one was expected
     ├── EngineError            the engine failed or is missing
     │   └── UnsupportedLayout  the engine's KV state is in a layout EdgeKV cannot slice safely
@@ -19,6 +20,7 @@
 from __future__ import annotations
 
 __all__ = [
+    "Cancelled",
     "ConfigError",
     "CorruptEntry",
     "EdgeKVError",
@@ -52,6 +54,11 @@ class PromptError(EdgeKVError, ValueError):
                  param: str | None = None) -> None:
         super().__init__(message)
         self.code, self.param = code, param
+
+
+class Cancelled(EdgeKVError):
+    """The caller asked a generation to stop before it began (a server's client went away
+    while it waited for another generation's prompt chunks)."""
 
 
 class ModelNotFound(EdgeKVError, FileNotFoundError):

@@ -182,3 +182,110 @@ def test_with_no_one_waiting_nothing_is_stored_before_the_last_token(kv):
     m = kv.lookup(kv.adapter.tokenize(prompt))
     assert m.n_tokens >= 256
     m.release()
+
+
+def test_a_wait_ends_at_its_timeout_and_the_waiter_computes_for_itself(kv):
+    """A producer slower than `inflight_timeout_s`: the waiter stops waiting and computes the
+    chunks itself (exact as ever), and does not wait again."""
+    kv.inflight_timeout_s = 0.2
+    a, b = Gated(), FakeAdapter()
+    pb = SHARED + "User: pair a sensor?"
+    ra: dict[str, object] = {}
+    rb: dict[str, object] = {}
+    ta = start(kv, SHARED + "User: reset?", a, ra)
+    assert a.entered.wait(10)
+    tb = start(kv, pb, b, rb)
+    joined(tb)  # while A is still held at its prefill
+    assert ta.is_alive() and kv.inflight_waits == 1 and kv.inflight_timeouts == 1
+    res_b = rb["result"]
+    assert res_b.cached_tokens == 0 and list(res_b.tokens) == plain(pb, 8)
+    assert 0.2 <= res_b.wait_s < 5
+    a.gate.set()
+    joined(ta)
+    assert kv._computing == {}
+
+
+def test_a_waiter_whose_client_left_stops_waiting(kv):
+    from edgekv.errors import Cancelled
+
+    a, b = Gated(), FakeAdapter()
+    ra: dict[str, object] = {}
+    rb: dict[str, object] = {}
+    gone = threading.Event()
+    ta = start(kv, SHARED + "User: reset?", a, ra)
+    assert a.entered.wait(10)
+    tb = start(kv, SHARED + "User: pair a sensor?", b, rb, cancelled=gone)
+    wait_until(lambda: kv.inflight_waits == 1)
+    gone.set()
+    joined(tb)  # A still computes: B left without it
+    assert isinstance(rb["error"], Cancelled) and ta.is_alive()
+    assert b.computed_tokens == 0  # it computed nothing
+    a.gate.set()
+    joined(ta)
+    assert kv._computing == {}
+
+
+def test_waiters_woken_by_a_failed_producer_do_not_chain_behind_each_other(kv):
+    """Two wait for A; A fails. Each computes for itself: neither waits for the other's new
+    claim (a second wait would serialize them behind each other)."""
+    a = Gated(fail=True)
+    b, c = Gated(), Gated()
+    outs: list[dict[str, object]] = [{}, {}, {}]
+    ta = start(kv, SHARED + "User: reset?", a, outs[0])
+    assert a.entered.wait(10)
+    tb = start(kv, SHARED + "User: pair a sensor?", b, outs[1])
+    tc = start(kv, SHARED + "User: what does orange mean?", c, outs[2])
+    wait_until(lambda: kv.inflight_waits == 2)
+    a.gate.set()
+    joined(ta)
+    # both compute the shared chunks at once: neither waits for the other's claim
+    wait_until(lambda: b.entered.is_set() and c.entered.is_set())
+    b.gate.set()
+    c.gate.set()
+    joined(tb, tc)
+    assert isinstance(outs[0]["error"], EngineError)
+    for out, p in ((outs[1], "User: pair a sensor?"), (outs[2], "User: what does orange mean?")):
+        assert list(out["result"].tokens) == plain(SHARED + p, 8)
+    assert kv._computing == {}
+
+
+def test_chunks_stored_early_carry_the_route_semantic_routing_gives(tmp_path):
+    """With a router, the chunks a producer stores early for its waiters get their route (an
+    index entry, found by meaning), as chunks stored after the answer do, and the prompt is
+    embedded once."""
+    from edgekv import open_router
+    from edgekv.semantic import HashEmbedder
+
+    cfg = CacheConfig(chunk_size=64, cache_dir=tmp_path)
+    store = open_store(cfg)
+    router = open_router(HashEmbedder(), store, cfg)
+    kv = EdgeKV(FakeAdapter(), store, cfg, router=router)
+    routed: list[str] = []
+    route = router.route
+    router.route = lambda text: routed.append(text) or route(text)  # type: ignore[method-assign]
+    try:
+        a, b = Gated(), FakeAdapter()
+        ra: dict[str, object] = {}
+        rb: dict[str, object] = {}
+        answer_a = threading.Event()
+        seen: list[int] = []
+
+        def hold(tok: int) -> bool:
+            seen.append(tok)
+            assert len(seen) == 1 or answer_a.wait(10)
+            return True
+
+        ta = start(kv, SHARED + "User: reset?", a, ra, on_token=hold)
+        assert a.entered.wait(10)
+        tb = start(kv, SHARED + "User: pair a sensor?", b, rb, store=False)  # adds nothing
+        wait_until(lambda: kv.inflight_waits == 1)
+        a.gate.set()
+        joined(tb)  # B reused what A stored early, while A is held at its second token
+        assert rb["result"].cached_tokens > 0 and rb["result"].stored_fragments == 0
+        assert len(router.index) == 1  # A's early chunks are in the index already
+        answer_a.set()
+        joined(ta)
+        assert routed.count(SHARED + "User: reset?") == 1  # A embedded once
+        assert ra["result"].match.route is not None
+    finally:
+        kv.close()

@@ -38,6 +38,7 @@ from ..engines.probe import finish_probe as finish_pending
 from ..engines.probe import record as record_probe
 from ..engines.spec import Speculation
 from ..errors import (
+    Cancelled,
     ChunkRejected,
     ConfigError,
     EdgeKVError,
@@ -87,6 +88,10 @@ class _Times:
     first: float
     generated: float
     stored: float
+
+
+INFLIGHT_TIMEOUT_S = 30.0  # the longest a generation waits for another's prompt chunks
+WAIT_POLL_S = 0.05  # how often a waiting generation looks whether it was cancelled
 
 
 @dataclass(eq=False)
@@ -155,6 +160,8 @@ class EdgeKV:
         self._computing: dict[str, _Claim] = {}
         self.inflight_waits = 0  # generations that waited for another's prompt chunks
         self.inflight_wait_s = 0.0
+        self.inflight_timeouts = 0  # waits that gave up on a slow producer
+        self.inflight_timeout_s = INFLIGHT_TIMEOUT_S
         # speculative decoding, decided now (the engine is idle) and again when a staged
         # probe's answer is adopted: `speculation`, and why it is on or off
         self.speculation: Speculation | None = None
@@ -210,20 +217,29 @@ class EdgeKV:
         log.info("batch-invariance probe finished: %s", result.reason)
         return result.invariant
 
-    def finish_probe(self, *, background: bool = True) -> ProbeFinisher | None:
-        """Run the probe stages a staged start left pending, record the answer and adopt it:
-        in the background where the engine can open a second context (`Twinned`; the
-        finisher returned), else here. None where nothing is pending or it ran here."""
+    def finish_probe(self, *, background: bool = True,
+                     then: Callable[[ProbeResult], object] | None = None
+                     ) -> ProbeFinisher | None:
+        """Run the probe stages a staged start left pending, record the answer and adopt it,
+        then hand it to `then` (a server opens its slots there): in the background where the
+        engine can open a second context (`Twinned`; the finisher returned), else here. None
+        where nothing is pending or it ran here."""
         if self.probe is None or not self.probe.pending:
             return None
         probe_dir = self.config.cache_dir / "probes"
+
+        def adopt(result: ProbeResult) -> None:
+            self.adopt_probe(result)
+            if then is not None:
+                then(result)
+
         if background:
-            finisher = finish_later(self.adapter, self.probe, probe_dir, self.adopt_probe)
+            finisher = finish_later(self.adapter, self.probe, probe_dir, adopt)
             if finisher is not None:
                 return finisher
         result = finish_pending(self.adapter, self.probe)
         record_probe(probe_dir, result)
-        self.adopt_probe(result)
+        adopt(result)
         return None
 
     def _decide_speculation(self) -> None:
@@ -303,6 +319,7 @@ class EdgeKV:
 
     def generate(self, prompt: str | Sequence[int] | Request, *,
                  on_token: TokenCallback | None = None, sequence: KVAdapter | None = None,
+                 cancelled: threading.Event | None = None,
                  **options: Unpack[RequestOptions]) -> GenerationResult:
         """Answer `prompt` (text, token ids, or a `Request` from `prepare`), reusing what the
         cache holds for it.
@@ -319,7 +336,8 @@ class EdgeKV:
         `sequence`: one of a server's engine slots (`parallel.Slots`) to run on instead of
         `adapter`: generations then run at once, batched; the cache's own steps take turns,
         and one whose prompt's next chunk another is computing waits for it, then reuses it
-        ("prompt chunks in flight" below)."""
+        ("prompt chunks in flight" below). `cancelled`, once set, ends such a wait with
+        `Cancelled` (the client went away)."""
         t0 = time.perf_counter()
         req = self._request(prompt, options)
         a = sequence or self.adapter
@@ -328,8 +346,8 @@ class EdgeKV:
         claimed = _Claim()  # this generation's prompt chunks, while it computes them
         match: PrefixMatch | None = None
         try:
-            match, cached, t_lookup, waited = self._match_inject(req, a,
-                                                                 claimed if sequence else None)
+            match, cached, t_lookup, waited = self._match_inject(
+                req, a, claimed if sequence else None, cancelled)
             t_inject = time.perf_counter()
             before = a.counters.snapshot()
             filled = self._fill(req, cached, a)
@@ -337,11 +355,14 @@ class EdgeKV:
             traffic = a.counters.since(before).traffic_bytes(a.weight_bytes,
                                                              a.fingerprint.kv_bytes_per_token)
             t_logits = time.perf_counter()
-            commit_prompt, early = self._early_commit(req, match, filled, cached, a, claimed)
+            commit_prompt, early, routed = self._early_commit(req, match, filled, cached, a,
+                                                              claimed)
             gen, t_first = self._sample(logits, req.sampling, on_token, a,
                                         after_first=commit_prompt if sequence else None,
                                         speculation=spec)
             t_gen = time.perf_counter()
+            if routed:  # the early commit routed it: the same route, not a second embedding
+                match = routed[0]
             with self._steps:
                 match, stored, written = self._commit(req, match, filled, cached, a)
         except BaseException:
@@ -364,21 +385,35 @@ class EdgeKV:
         return prompt
 
     def _early_commit(self, req: Request, match: PrefixMatch, filled: Filled, cached: int,
-                      a: KVAdapter, claimed: _Claim) -> tuple[Callable[[], None], list[float]]:
+                      a: KVAdapter, claimed: _Claim
+                      ) -> tuple[Callable[[], None], list[float], list[PrefixMatch]]:
         """What runs after the first token of a generation on a slot: where others wait for
-        this prompt's chunks, they are stored now, not after the answer. The list counts
-        what it stored: fragments, bytes, seconds."""
+        this prompt's chunks, they are stored now, not after the answer, with the route
+        semantic routing gives the prompt (as `_commit` stores its chunks). The first list
+        counts what it stored: fragments, bytes, seconds; the second holds the match with
+        its route, once routed."""
         early = [0.0, 0.0, 0.0]
+        routed: list[PrefixMatch] = []
 
         def commit_prompt() -> None:
             with self._steps:
                 if claimed.waiters and not claimed.done.is_set():
                     t = time.perf_counter()
-                    early[:2] = self._commit_prompt(req, match, filled, cached, a)
+                    got = self._route(req, match)
+                    routed.append(got)
+                    early[:2] = self._commit_prompt(req, got, filled, cached, a)
                     early[2] = time.perf_counter() - t
                 self._unclaim(claimed)
 
-        return commit_prompt, early
+        return commit_prompt, early, routed
+
+    def _route(self, req: Request, match: PrefixMatch) -> PrefixMatch:
+        """`match` with the route semantic routing gives the request (for reporting and for
+        the stored chunks' index entries), where a router runs and it has none yet."""
+        if (self.router is not None and req.use_cache and req.text is not None
+                and match.route is None):
+            return match.with_route(self.router.route(req.text))
+        return match
 
     @staticmethod
     def _result(req: Request, a: KVAdapter, gen: Generation, match: PrefixMatch, cached: int,
@@ -457,19 +492,26 @@ class EdgeKV:
         match.release()
         return PrefixMatch(0, rejections=match.rejections, token_exact=self.token_exact)
 
-    def _match_inject(self, req: Request, a: KVAdapter, claimed: _Claim | None
+    def _match_inject(self, req: Request, a: KVAdapter, claimed: _Claim | None,
+                      cancelled: threading.Event | None = None
                       ) -> tuple[PrefixMatch, int, float, float]:
         """Match and inject; with `claimed` (a generation on a sequence), first wait for any
         other generation computing the prompt's next chunk, and claim the chunks this one
         will compute. Returns the match, the tokens injected, when the match was made and
-        how long the generation waited."""
+        how long the generation waited. A wait that brought nothing (the producer failed,
+        or was slower than `inflight_timeout_s`) is not repeated: the generation computes
+        the rest itself rather than queue behind another claim."""
         waited = 0.0
+        waiting = claimed is not None and req.use_cache
+        reached = -1  # what the match reached before the last wait
         while True:
             with self._steps:
                 match = self._match(req)
                 t_lookup = time.perf_counter()
+                if waiting and reached >= 0 and match.n_tokens <= reached:
+                    waiting = False  # the wait brought no chunk: compute it here
                 busy = (self._computing.get(self._next_key(req, match.n_tokens))
-                        if claimed is not None and req.use_cache else None)
+                        if waiting else None)
                 if busy is None:
                     cached = self._inject(match, a)
                     if cached != match.n_tokens:  # refused: the whole prompt is computed
@@ -480,14 +522,32 @@ class EdgeKV:
                             and match.batch_exact(self.config.chunk_size)):
                         self._claim(req, cached, claimed)
                     return match, cached, t_lookup, waited
+                reached = match.n_tokens
                 match.release()
                 busy.waiters += 1
                 self.inflight_waits += not waited  # a generation is counted once
             t_wait = time.perf_counter()
-            busy.done.wait()
-            with self._steps:
-                waited += time.perf_counter() - t_wait
-                self.inflight_wait_s += time.perf_counter() - t_wait
+            try:
+                self._wait(busy, cancelled)
+            finally:
+                with self._steps:
+                    busy.waiters -= 1
+                    waited += time.perf_counter() - t_wait
+                    self.inflight_wait_s += time.perf_counter() - t_wait
+
+    def _wait(self, busy: _Claim, cancelled: threading.Event | None) -> None:
+        """Until `busy` ends, `inflight_timeout_s` passes (then the waiter computes for
+        itself), or `cancelled` is set (raises `Cancelled`)."""
+        deadline = time.perf_counter() + self.inflight_timeout_s
+        while not busy.done.is_set():
+            if cancelled is not None and cancelled.is_set():
+                raise Cancelled("the request was cancelled while it waited for another "
+                                "generation's prompt chunks")
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                self.inflight_timeouts += 1
+                return
+            busy.done.wait(min(left, WAIT_POLL_S))
 
     def _fill(self, req: Request, cached: int, a: KVAdapter) -> Filled:
         """The fill step chosen at construction; one that continues whole chunks runs only
@@ -567,17 +627,15 @@ class EdgeKV:
         if not (match.batch_exact(self.config.chunk_size) and filled.exact):
             return 0, 0
         n = len(req.keys) * self.config.chunk_size
-        return self.writeback.store_new(req.tokens[:n], cached, req.keys, root=req.root,
-                                        engine=a)
+        return self.writeback.store_new(req.tokens[:n], cached, req.keys, match.route,
+                                        root=req.root, engine=a)
 
     def _commit(self, req: Request, match: PrefixMatch, filled: Filled, cached: int,
                 a: KVAdapter) -> tuple[PrefixMatch, int, int]:
         """After the last token: route (for reporting and indexing), store what is new and
         exact, cache passages seen for the first time, record hits, unpin, tell the
         prefetcher. Returns the match (with its route) and (fragments, bytes) stored."""
-        if (self.router is not None and req.use_cache and req.text is not None
-                and match.route is None):
-            match = match.with_route(self.router.route(req.text))
+        match = self._route(req, match)
         stored = written = 0
         # KV computed on top of reuse that was not batch-exact is not what a cold run would
         # hold, so it is never stored (it would spread the difference to later requests)
