@@ -1,21 +1,19 @@
-"""Concurrent clients of one server and their figures: c threads, one openai client each,
-taking the same requests in order from one queue; every request streamed and timed chunk by
-chunk (time to the first text chunk, the times between text chunks); a run's figures
-(percentiles, throughput) and its agreement with another run, request by request."""
+"""The benches' client of one server and its figures: every request streamed and timed chunk
+by chunk (time to the first text chunk, the times between text chunks); a run's figures
+(percentiles, throughput) and its agreement with another run, request by request. How many
+clients at once, or at what rate: `load`."""
 
 from __future__ import annotations
 
-import queue
 import statistics
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .servers import greedy_extra
 
-__all__ = ["Reply", "agreement", "percentile", "run_level", "stream_one", "summarize"]
+__all__ = ["Reply", "agreement", "percentile", "stream_one", "summarize"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,44 +53,6 @@ def stream_one(client: Any, system: str, prompt: str, max_tokens: int) -> Reply:
                  int(usage.completion_tokens) if usage else 0,
                  int(usage.prompt_tokens) if usage else 0,
                  int(getattr(details, "cached_tokens", 0) or 0) if details else 0, total)
-
-
-def run_level(make_client: Callable[[], Any], system: str, prompts: Sequence[str],
-              concurrency: int, max_tokens: int) -> tuple[list[Reply], float]:
-    """Every prompt once, `concurrency` client threads (one client each) taking them in order
-    from one queue; the replies in prompt order and the wall time from the moment every thread
-    is ready to the last reply. A failed request is a Reply with its error."""
-    todo: queue.SimpleQueue[int] = queue.SimpleQueue()
-    for i in range(len(prompts)):
-        todo.put(i)
-    replies: list[Reply | None] = [None] * len(prompts)
-    n = max(1, min(concurrency, len(prompts)))
-    ready = threading.Barrier(n + 1)
-
-    def worker() -> None:
-        client = make_client()
-        ready.wait()
-        while True:
-            try:
-                i = todo.get_nowait()
-            except queue.Empty:
-                return
-            t = time.perf_counter()
-            try:
-                replies[i] = stream_one(client, system, prompts[i], max_tokens)
-            except Exception as e:  # noqa: BLE001 - recorded as the request's failure
-                replies[i] = Reply("", 0.0, (), 0, 0, 0, time.perf_counter() - t,
-                                   f"{type(e).__name__}: {e}"[:300])
-
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(n)]
-    for th in threads:
-        th.start()
-    ready.wait()
-    t0 = time.perf_counter()
-    for th in threads:
-        th.join()
-    wall = time.perf_counter() - t0
-    return [r for r in replies if r is not None], wall
 
 
 def percentile(xs: Sequence[float], q: float) -> float:

@@ -11,17 +11,19 @@ import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from edgekv.errors import ConfigError
 from edgekv_bench import concurrency, serve
-from edgekv_bench.clients import Reply, agreement, percentile, run_level, summarize
+from edgekv_bench.clients import Reply, agreement, percentile, summarize
 from edgekv_bench.concurrency import (
     SERVERS,
     Setup,
     _edgekv_env,
+    _peer_env,
     _share_probes,
     _wanted,
     parse_concurrency,
@@ -29,6 +31,7 @@ from edgekv_bench.concurrency import (
     tables,
 )
 from edgekv_bench.concurrent_workload import DOCS_INSTRUCTION, build_prompts, docs_messages
+from edgekv_bench.load import run_closed
 
 
 def reply(text: str, ttft: float = 0.1, itl: tuple[float, ...] = (), tokens: int = 4,
@@ -74,11 +77,11 @@ def test_ratios_put_edgekv_over_llama_server_level_by_level():
         return {"server": server, "workload": "chat", "concurrency": c, "ttft_ms_p95": p95,
                 "throughput_tok_s": tps}
 
-    got = ratios([row("llama_server", 4, 200.0, 100.0), row("edgekv_parallel", 4, 100.0, 95.0),
-                  row("edgekv_p1", 4, 800.0, 30.0), row("edgekv_nocache_parallel", 4, 1, 1),
-                  row("edgekv_parallel", 8, 100.0, 95.0)])  # no peer at 8: no ratio
+    got = ratios([row("llama_server", 4, 200.0, 100.0), row("edgekv", 4, 100.0, 95.0),
+                  row("edgekv_p1", 4, 800.0, 30.0), row("edgekv_nocache", 4, 1, 1),
+                  row("edgekv", 8, 100.0, 95.0)])  # no peer at 8: no ratio
     assert got == [
-        {"server": "edgekv_parallel", "vs": "llama_server", "workload": "chat",
+        {"server": "edgekv", "vs": "llama_server", "workload": "chat",
          "concurrency": 4, "ttft_p95_ratio": 0.5, "throughput_ratio": 0.95},
         {"server": "edgekv_p1", "vs": "llama_server", "workload": "chat", "concurrency": 4,
          "ttft_p95_ratio": 4.0, "throughput_ratio": 0.3}]
@@ -122,12 +125,15 @@ def test_bench_serve_takes_the_concurrency_options_and_hands_over(monkeypatch, c
 
 
 def test_servers_asked_bring_their_cache_off_runs():
-    assert _wanted(["edgekv_parallel"]) == ["edgekv_parallel", "edgekv_nocache_parallel"]
+    assert _wanted(["edgekv"]) == ["edgekv", "edgekv_nocache"]
+    assert _wanted(["edgekv_parallel"]) == ["edgekv", "edgekv_nocache"]  # the older name
     assert _wanted(["llama_server", "edgekv_p1"]) == [
         "llama_server", "llama_server_nocache", "edgekv_p1", "edgekv_nocache_p1"]
-    assert _wanted(None) == list(SERVERS)
+    assert _wanted(["edgekv_budget_off"]) == ["edgekv_nocache", "edgekv_budget_off"]
+    assert _wanted(None) == ["llama_server", "llama_server_nocache", "edgekv",
+                             "edgekv_nocache"]
     with pytest.raises(ConfigError, match="edgekv_p1"):
-        _wanted(["edgekv"])  # a sequential bench's name
+        _wanted(["edgekv_onnx"])  # a sequential bench's name
 
 
 # -- command lines ---------------------------------------------------------------------------
@@ -154,8 +160,8 @@ def test_edgekv_runs_at_one_and_n_sequences_each_with_its_own_cache_off():
     def opt(cmd: list[str], flag: str) -> str:
         return cmd[cmd.index(flag) + 1]
 
-    for name, slots in (("edgekv_p1", "1"), ("edgekv_parallel", "8"),
-                        ("edgekv_nocache_p1", "1"), ("edgekv_nocache_parallel", "8")):
+    for name, slots in (("edgekv_p1", "1"), ("edgekv", "8"),
+                        ("edgekv_nocache_p1", "1"), ("edgekv_nocache", "8")):
         cmd = command(name)
         assert cmd[1:4] == ["-m", "edgekv", "serve"]
         assert opt(cmd, "--parallel") == slots and opt(cmd, "--cache-dir") == f"/w/{name}"
@@ -164,9 +170,11 @@ def test_edgekv_runs_at_one_and_n_sequences_each_with_its_own_cache_off():
         assert opt(cmd, "--n-ctx") == str(8192 // int(slots))
         assert opt(cmd, "--threads") == "2" and opt(cmd, "--port") == "{port}"
         assert ("--no-cache" in cmd) == ("nocache" in name)
-        assert "--max-queue" not in cmd
+        assert "--max-queue" not in cmd and "--step-budget-ms" not in cmd
     assert SERVERS["edgekv_p1"][2] == "edgekv_nocache_p1"  # compared at the same N
-    assert SERVERS["edgekv_parallel"][2] == "edgekv_nocache_parallel"
+    assert SERVERS["edgekv"][2] == "edgekv_nocache"
+    off = SETUP.command("edgekv_budget_off", Path("/w/x"))[0]  # before stall-free prefill
+    assert off == [*SETUP.command("edgekv", Path("/w/x"))[0], "--step-budget-ms", "0"]
     many = command("edgekv_p1", Setup("m.gguf", 8192, 2, 32, None, max_queue=32))
     assert many[many.index("--max-queue") + 1] == "32"
 
@@ -174,8 +182,12 @@ def test_edgekv_runs_at_one_and_n_sequences_each_with_its_own_cache_off():
 def test_edgekv_servers_probe_and_share_one_verdict(tmp_path, monkeypatch):
     monkeypatch.setenv("EDGEKV_REUSE_GRANULARITY", "chunk")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("GGML_CPU_BATCH_INVARIANT", "1")
     env = _edgekv_env()
     assert "EDGEKV_REUSE_GRANULARITY" not in env and env["HF_HUB_OFFLINE"] == "1"
+    assert env["EDGEKV_FIRST_PROBE"] == "full"  # a measured run never serves a staged start
+    # a peer runs as its users run it: without EdgeKV's kernel switch
+    assert "GGML_CPU_BATCH_INVARIANT" not in _peer_env() and _peer_env()["HF_HUB_OFFLINE"]
     shared, run = tmp_path / "probes", tmp_path / "run" / "probes"
     _share_probes(shared, run)  # nothing recorded yet: the first start probes
     assert not run.exists()
@@ -235,7 +247,7 @@ def test_a_chat_turn_over_the_budget_restarts_its_conversation():
 
 
 def test_docs_users_each_have_a_distinct_document_before_their_question():
-    msgs = docs_messages(16, users=8, seed=0)
+    msgs = docs_messages(32, users=16, seed=0)
     docs: dict[int, set[str]] = {}
     for u, m in msgs:
         assert m[0] == ("system", DOCS_INSTRUCTION)
@@ -244,12 +256,12 @@ def test_docs_users_each_have_a_distinct_document_before_their_question():
         docs.setdefault(u, set()).add(doc)
     assert all(len(d) == 1 for d in docs.values())  # a user's questions share their document
     texts = [next(iter(d)) for d in docs.values()]
-    assert len(set(texts)) == 8
+    assert len(set(texts)) == 16  # one each for 16 users
     # distinct from the first words on: no user's document is a prefix-sharer of another's
-    assert len({t[len("Document:\n"):][:40] for t in texts}) == 8
+    assert len({t[len("Document:\n"):][:40] for t in texts}) == 16
     assert all(100 < count(t) < 1000 for t in texts)  # a few hundred words each
-    with pytest.raises(ConfigError, match="at most 8"):
-        docs_messages(4, users=9)
+    with pytest.raises(ConfigError, match="at most 16"):
+        docs_messages(4, users=17)
 
 
 # -- clients against a streaming server on loopback -----------------------------------------
@@ -309,7 +321,7 @@ def test_clients_stream_time_and_keep_prompt_order(fake_server):
         return openai.OpenAI(base_url=fake_server, api_key="x", max_retries=0, timeout=30)
 
     prompts = [f"p{i} a b c" for i in range(6)] + ["fail"]
-    rows, wall = run_level(client, "llama_server", prompts, 3, 3)
+    rows, wall = run_closed(client, "llama_server", prompts, 3, 3)
     assert [r.text for r in rows[:6]] == ["c b a"] * 6
     assert rows[6].error is not None and "500" in rows[6].error
     for r in rows[:6]:
@@ -323,24 +335,36 @@ def test_clients_stream_time_and_keep_prompt_order(fake_server):
     assert body["stream_options"] == {"include_usage": True}
     assert body["top_k"] == 1 and body["repeat_penalty"] == 1.0  # llama-server: greedy
     FakeCompletions.bodies = []
-    run_level(client, "edgekv", ["x y"], 1, 4)
+    run_closed(client, "edgekv", ["x y"], 1, 4)
     assert "top_k" not in FakeCompletions.bodies[0]  # EdgeKV takes the OpenAI fields only
     assert FakeCompletions.bodies[0]["model"] == "default"
 
 
-def test_tables_show_each_workload_the_ratios_and_the_settings():
-    row = {"server": "edgekv_parallel", "workload": "chat", "concurrency": 4,
-           **summarize([reply("a", 0.1, (0.02,))], 1.0), "agreement_own_cache_off": 1.0,
-           "agreement_own_cache_off_c1": None}
-    res = {"workloads": ["chat"], "requests": 1, "rows": [row],
-           "ratios": [{"server": "edgekv_parallel", "workload": "chat", "concurrency": 4,
+def test_tables_show_each_workload_every_load_the_ratios_knees_and_settings():
+    from edgekv_bench.load import figures
+
+    def row(**load: Any) -> dict[str, Any]:
+        return {"server": "edgekv", "workload": "chat", **load,
+                **figures([reply("a", 0.1, (0.02,))], 1.0), "equal_own_cache_off": 1.0,
+                "equal_own_c1": None}
+
+    res = {"workloads": ["chat"], "requests": 1, "rows": [],
+           "load_rows": [row(concurrency=4, rate=None), row(concurrency=None, rate=0.25)],
+           "requests_per_workload": {"chat": 1},
+           "knee": {"chat": {"knee_rps": 0.5, "trace": [
+               {"rate": 0.3, "goodput_rps": 0.3, "holds": True},
+               {"rate": 0.5, "goodput_rps": 0.2, "holds": False}]}},
+           "ratios": [{"server": "edgekv", "workload": "chat", "concurrency": 4,
                        "ttft_p95_ratio": 0.8, "throughput_ratio": 1.1}],
-           "servers": ["edgekv_parallel"], "resolved": {"edgekv_parallel": {"n_slots": None}},
-           "health": {"edgekv_parallel": {"status": "ok", "parallel": {"slots": 4}}}}
+           "servers": ["edgekv"], "resolved": {"edgekv": {"n_slots": None}},
+           "health": {"edgekv": {"status": "ok", "parallel": {"slots": 4},
+                                 "engine": {"reuse_granularity": "token"}}}}
     text = tables(res)
     assert "Workload `chat`" in text and "100.0 / 100.0 / 100.0" in text and "100%" in text
-    assert "0.8" in text and '{"slots": 4}' in text
-    res["health"] = {"edgekv_parallel": {"status": "ok"}}  # no parallel object: "-", as is
+    assert "c=4" in text and "0.25/s" in text and "ttft_ms=2000,tpot_ms=100" in text
+    assert "knee on `chat`: 0.5 requests/s" in text and "0.5/s goodput 0.2 (under 90%)" in text
+    assert "0.8" in text and '"slots": 4' in text and '"reuse_granularity": "token"' in text
+    res["health"] = {"edgekv": {"status": "ok"}}  # nothing to say: "-", as is
     assert '"-"' not in tables(res)
 
 
@@ -416,7 +440,34 @@ def test_a_whole_run_on_a_stand_in_server_process(tmp_path, monkeypatch):
     assert len(res["start_s"]["llama_server"]) == 2  # started afresh for each level
     assert res["resolved"]["llama_server"]["n_slots"] == "4"
     assert res["health"]["llama_server"] == {"status": "ok"}
-    assert res["n_ctx"] == 2048 and res["parallel"] == 2  # 1024 per sequence, largest level
+    # 1024 per sequence, for llama-server's 4 slots (EdgeKV's default, more than the levels)
+    assert res["n_ctx"] == 4096 and res["parallel"] == 4
     assert "--no-cache-prompt" in res["commands"]["llama_server_nocache"]
     assert res["failed_rows"] == [] and "freshly started" in res["method"]
     json.dumps(res)  # the JSON written as is
+
+
+def test_the_knee_is_the_lowest_rate_where_goodput_falls_under_90_percent(monkeypatch):
+    """From llama-server's concurrency-1 rate up by 1.5x while its goodput holds 90% of the
+    rate it achieved; down where the first rate already misses."""
+    from edgekv_bench.concurrency import find_knee
+    from edgekv_bench.load import Slo
+
+    def runner(capacity: float) -> Any:
+        tried: list[float] = []
+
+        def measure(name: str, workload: str, prompts: Any, load: Any, log_name: str = ""):
+            assert name == "llama_server" and load.kind == "rate" and log_name
+            tried.append(load.value)
+            ok = load.value <= capacity  # over its capacity every answer misses the SLO
+            return [reply("a", 0.1 if ok else 5.0, (0.01,)) for _ in range(4)], 4 / load.value
+
+        return SimpleNamespace(measure=measure, tried=tried)
+
+    r = runner(capacity=2.0)
+    knee, trace = find_knee(r, "chat", [], Slo(), 1.0)
+    assert r.tried == [1.0, 1.5, 2.25] and knee == 2.25
+    assert [t["holds"] for t in trace] == [True, True, False]
+    r = runner(capacity=0.5)
+    knee, trace = find_knee(r, "chat", [], Slo(), 1.0)
+    assert r.tried == pytest.approx([1.0, 1 / 1.5, 1 / 2.25]) and knee == pytest.approx(1 / 1.5)
