@@ -39,7 +39,6 @@ import shutil
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,7 +52,7 @@ from .load import DEFAULT_SLO, Slo, run_closed, run_open
 from .load import figures as load_figures
 from .options import csv, llama_server_path
 from .report import table
-from .servers import Server, free_port, resolved_settings
+from .servers import Server, free_port, get_health, peer_env, resolved_settings
 from .servers import server_command as sequential_command
 
 __all__ = ["DEFAULT_SERVERS", "SERVERS", "Load", "Setup", "add_options", "find_knee",
@@ -247,11 +246,6 @@ def _edgekv_env() -> dict[str, str]:
     return env | {"EDGEKV_FIRST_PROBE": "full"}
 
 
-def _peer_env() -> dict[str, str]:
-    """This process's environment without EdgeKV's kernel switch (`edgekv.engines` sets it
-    here): a peer runs as its users run it."""
-    return {k: v for k, v in os.environ.items() if k != "GGML_CPU_BATCH_INVARIANT"}
-
 
 def _share_probes(src: Path, dst: Path) -> None:
     """Copy the probe verdicts in `src` that `dst` lacks (either way round, before a start
@@ -262,14 +256,6 @@ def _share_probes(src: Path, dst: Path) -> None:
     for f in src.glob("*.json"):
         if not (dst / f.name).exists():
             shutil.copy2(f, dst / f.name)
-
-
-def _health(base_url: str) -> Any:
-    try:
-        with urllib.request.urlopen(base_url + "/health", timeout=10) as r:
-            return json.loads(r.read())
-    except (OSError, ValueError) as e:
-        return {"error": str(e)}
 
 
 # -- figures -------------------------------------------------------------------------------
@@ -370,7 +356,7 @@ class _Runner:
         port = free_port()
         server = Server(name, [x.replace("{port}", str(port)) for x in cmd], health_path,
                         port, self.workdir / f"{log_name or name}.log",
-                        env=_edgekv_env() if edgekv else _peer_env())
+                        env=_edgekv_env() if edgekv else peer_env(name))
 
         def client() -> Any:
             return openai.OpenAI(base_url=server.base_url + "/v1", api_key="bench",
@@ -380,7 +366,7 @@ class _Runner:
         after = [p.after for p in prompts]
         try:
             start_s = server.start(START_TIMEOUT_S[system])
-            self.health.setdefault(name, _health(server.base_url))
+            self.health.setdefault(name, get_health(server.base_url))
             if load.kind == "concurrency":
                 got = run_closed(client, system, texts, int(load.value), self.max_tokens, after)
             else:

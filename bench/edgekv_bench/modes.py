@@ -347,7 +347,7 @@ class LlamaServerMode:
     def __init__(self, name: str, binary: Path, model_path: str, n_ctx: int, threads: int,
                  workdir: Path, min_reuse: int, weight_bytes: int,
                  kv_bytes_per_token: int) -> None:
-        from .servers import Server, free_port, server_command
+        from .servers import Server, free_port, peer_env, server_command
 
         self.name, self.min_reuse = name, min_reuse
         self.weight_bytes, self.kvpt = weight_bytes, kv_bytes_per_token
@@ -356,7 +356,7 @@ class LlamaServerMode:
         assert got is not None
         port = free_port()
         self.server = Server(name, [c.replace("{port}", str(port)) for c in got[0]], got[1],
-                             port, workdir / f"{name}.log")
+                             port, workdir / f"{name}.log", env=peer_env(name))
         self.server.start()
 
     def run(self, text: str, tokens: Sequence[int], max_tokens: int) -> Outcome:

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+from edgekv.errors import ConfigError
+
 __all__ = ["ENGINES", "Report", "Run", "Subparsers", "bench_parser", "csv", "llama_server_opt",
            "llama_server_path", "progress", "stock_python_path"]
 
@@ -85,6 +87,19 @@ def stock_python_path(given: str | None) -> Path | None:
         return Path(given)
     built = Path("build/stock-venv/bin/python")
     return built if built.is_file() else None
+
+
+def stock_lib_path(given: str | None) -> Path | None:
+    """The stock wheel's native libraries (LLAMA_CPP_LIB_PATH for the peers that run the
+    .venv's llama-cpp-python): the directory given, else the one `make stock-lib` fills, if
+    it is there."""
+    if given:
+        if not (Path(given) / "libllama.so").is_file():
+            raise ConfigError(f"--stock-lib {given}: no libllama.so there; run `make "
+                              "stock-lib` or give its directory")
+        return Path(given)
+    built = Path("build/stock-lib")
+    return built if (built / "libllama.so").is_file() else None
 
 
 def csv(value: str | None) -> tuple[str, ...]:

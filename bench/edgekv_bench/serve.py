@@ -5,9 +5,12 @@ interleaved, each conversation growing turn by turn with the model's own earlier
 a shared long system prompt), side by side in one run:
 
 - `edgekv serve` (cache on, and `--no-cache` as its own reference);
-- `python -m llama_cpp.server` with `--cache true` (LlamaRAMCache) and with `--cache false`,
-  on EdgeKV's build of llama-cpp-python and, given `stock_python`, on the wheel a plain
-  `pip install llama-cpp-python` builds (default flags: `make stock-llama-cpp-python`);
+- `python -m llama_cpp.server` with `--cache true` (LlamaRAMCache) and with `--cache false`
+  (the reference), on the stock wheel's libraries (`make stock-lib`, loaded through
+  LLAMA_CPP_LIB_PATH; where it is not built, EdgeKV's build with its kernel switch unset, and
+  the JSON says which) and, given `stock_python`, on the wheel a plain `pip install
+  llama-cpp-python` builds in a venv of its own (`make stock-llama-cpp-python`). No peer
+  inherits EdgeKV's kernel switch (`servers.peer_env`);
 - llama.cpp's `llama-server`, built stock from the llama-cpp-python sdist's vendored tree as
   its users build it (`make llama-server`: default flags, llamafile on, no patch), run with
   its defaults: default slots, `cache_prompt` on, its RAM prompt cache, flash attention
@@ -19,7 +22,8 @@ Every server gets the same threads, model file and context size. Prompts are ren
 with the model's chat template and sent to `/v1/completions`, so every server answers the same
 text (their chat-template engines differ). The reference, plain llama-cpp-python with no cache,
 answers each request first; its answer goes into the conversation's history, so every server
-sees the same prompts. Requests go one at a time, the servers in rotating order, so machine
+sees the same prompts. EdgeKV's own settings (slots, flash attention, granularity, chunk size)
+come from its /health. Requests go one at a time, the servers in rotating order, so machine
 drift hits all alike. Mid-run every cache-on server is restarted: what it costs is reported,
 and every figure is also given for the requests before the restart (what a steady user sees)
 and after it, apart. Each server's resolved settings (flash attention, slots, prompt-cache
@@ -52,10 +56,20 @@ from .options import (
     csv,
     llama_server_opt,
     llama_server_path,
+    stock_lib_path,
     stock_python_path,
 )
 from .report import table, write_json
-from .servers import SERVERS, Server, free_port, resolved_settings, server_command
+from .servers import (
+    SERVERS,
+    Server,
+    free_port,
+    get_health,
+    peer_env,
+    peer_lib,
+    resolved_settings,
+    server_command,
+)
 from .workload import ChatHistory, chat_workload, render
 
 __all__ = ["SERVERS", "Server", "add_parser", "free_port", "run_cli", "run_serve_bench",
@@ -137,7 +151,7 @@ def run_serve_bench(*, model: str | None = None, requests: int = 40, users: int 
                     max_tokens: int = 48, n_ctx: int = 2048, seed: int = 0,
                     restart_at: int | None = None, servers: tuple[str, ...] | None = None,
                     llama_server: Path | None = None, stock_python: Path | None = None,
-                    workdir: Path, threads: int | None = None,
+                    stock_lib: Path | None = None, workdir: Path, threads: int | None = None,
                     progress: bool = True) -> dict[str, Any]:
     import llama_cpp
     import openai
@@ -165,6 +179,7 @@ def run_serve_bench(*, model: str | None = None, requests: int = 40, users: int 
     template = vocab.metadata.get("tokenizer.chat_template")
     workdir.mkdir(parents=True, exist_ok=True)
     procs: dict[str, Server] = {}
+    health: dict[str, Any] = {}  # EdgeKV's /health after its first start: its settings
     skipped = []
     reqs = chat_workload(requests, seed=seed, max_tokens=max_tokens, users=users)
     restart_at = requests // 2 if restart_at is None else restart_at
@@ -177,8 +192,11 @@ def run_serve_bench(*, model: str | None = None, requests: int = 40, users: int 
                 continue
             port = free_port()
             cmd = [c.replace("{port}", str(port)) for c in got[0]]
-            procs[name] = Server(name, cmd, got[1], port, workdir / f"{name}.log")
+            procs[name] = Server(name, cmd, got[1], port, workdir / f"{name}.log",
+                                 env=peer_env(name, stock_lib))
             procs[name].start()
+            if SERVERS[name][0] == "edgekv":
+                health[name] = get_health(procs[name].base_url)
         clients = {n: openai.OpenAI(base_url=s.base_url + "/v1", api_key="bench", timeout=900,
                                     max_retries=0) for n, s in procs.items()}
         others = [n for n in procs if n != REFERENCE]
@@ -206,6 +224,10 @@ def run_serve_bench(*, model: str | None = None, requests: int = 40, users: int 
                       end="" if i + 1 < len(reqs) else "\n", file=sys.stderr, flush=True)
         out = {n: _summary(n, answers[n], answers[SERVERS[n][2]], answers[REFERENCE], s)
                for n, s in procs.items()}
+        for n, m in out.items():
+            m["native"] = peer_lib(n, stock_lib)
+            if n in health:
+                m["health"] = health[n]
     finally:
         for s in procs.values():
             s.stop()
@@ -221,6 +243,7 @@ def run_serve_bench(*, model: str | None = None, requests: int = 40, users: int 
         "bench": "serve", "model": Path(path).name, "requests": len(reqs), "users": users,
         "max_tokens": max_tokens, "n_ctx": n_ctx, "threads": threads, "restart_at": restart_at,
         "reference": REFERENCE, "skipped": skipped,
+        "stock_lib": None if stock_lib is None else str(stock_lib),
         "method": ("one request at a time, servers in rotating order; TTFT = first streamed "
                    "text chunk via the openai client; prompts rendered once with the GGUF chat "
                    "template and sent to /v1/completions; greedy (temperature 0; llama.cpp "
@@ -277,6 +300,7 @@ def run_cli(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
                               seed=args.seed, servers=servers, workdir=Path(tmp),
                               llama_server=llama_server_path(args.llama_server),
                               stock_python=stock_python_path(args.stock_python),
+                              stock_lib=stock_lib_path(args.stock_lib),
                               threads=args.threads)
     return res, serve_table(res)
 
@@ -294,6 +318,9 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
     p.add_argument("--stock-python", help="the Python of a venv with llama-cpp-python as a "
                    "plain `pip install` builds it (default: build/stock-venv/bin/python, which "
                    "`make stock-llama-cpp-python` builds, where present)")
+    p.add_argument("--stock-lib", help="the stock wheel's native libraries for the "
+                   "llama_cpp_server peers (default: build/stock-lib, which `make stock-lib` "
+                   "builds, where present; else EdgeKV's build with its switch unset)")
     p.add_argument("--requests", type=int, help="requests (default 40; with --concurrency, "
                    f"per run: {concurrency.DEFAULT_REQUESTS})")
     p.add_argument("--max-tokens", type=int, default=48, help="tokens per answer (default 48)")

@@ -5,6 +5,8 @@ the sampling fields that make each greedy."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import socket
 import subprocess
@@ -17,8 +19,10 @@ from typing import IO, Any
 
 from edgekv.errors import ConfigError
 
-__all__ = ["SERVERS", "Server", "free_port", "greedy_extra", "resolved_settings",
-           "server_command"]
+__all__ = ["SERVERS", "Server", "free_port", "get_health", "greedy_extra", "peer_env", "peer_lib",
+           "resolved_settings", "server_command"]
+
+KERNEL_SWITCH = "GGML_CPU_BATCH_INVARIANT"  # EdgeKV's (`edgekv.engines` sets it here)
 
 # name -> (system, cache on?, the cache-off run it is compared with)
 SERVERS: dict[str, tuple[str, bool, str]] = {
@@ -39,6 +43,43 @@ SERVERS: dict[str, tuple[str, bool, str]] = {
     "llama_cpp_server_stock_nocache": ("llama_cpp_server", False,
                                        "llama_cpp_server_stock_nocache"),
 }
+
+
+def peer_env(name: str, stock_lib: Path | None = None) -> dict[str, str] | None:
+    """Server `name`'s environment: EdgeKV's inherits this one (None); a peer's is this one
+    without EdgeKV's kernel switch, as its users run it, and `python -m llama_cpp.server` on
+    the .venv loads the stock wheel's libraries (`make stock-lib`: LLAMA_CPP_LIB_PATH) where
+    `stock_lib` is given (the `_stock` servers have a venv of their own)."""
+    system = SERVERS[name][0] if name in SERVERS else name
+    if system == "edgekv":
+        return None
+    env = {k: v for k, v in os.environ.items() if k not in (KERNEL_SWITCH, "LLAMA_CPP_LIB_PATH")}
+    if system == "llama_cpp_server" and "_stock" not in name and stock_lib is not None:
+        env["LLAMA_CPP_LIB_PATH"] = str(stock_lib.resolve())
+    return env
+
+
+def peer_lib(name: str, stock_lib: Path | None = None) -> str | None:
+    """What native build server `name` runs, in words (for the JSON); None for EdgeKV and
+    llama-server (its own binary)."""
+    system = SERVERS[name][0]
+    if system != "llama_cpp_server":
+        return None
+    if "_stock" in name:
+        return "the stock venv's wheel (make stock-llama-cpp-python)"
+    if stock_lib is not None:
+        return f"the stock wheel's libraries ({stock_lib}, make stock-lib), switch unset"
+    return ("EdgeKV's build of the .venv with its kernel switch unset (stock kernels; make "
+            "stock-lib for the stock wheel)")
+
+
+def get_health(base_url: str) -> Any:
+    """GET /health's JSON body (EdgeKV's says its slots and engine settings), or the error."""
+    try:
+        with urllib.request.urlopen(base_url + "/health", timeout=10) as r:
+            return json.loads(r.read())
+    except (OSError, ValueError) as e:
+        return {"error": str(e)}
 
 
 def free_port() -> int:

@@ -40,7 +40,14 @@ from edgekv.errors import ConfigError
 
 from .options import Subparsers, bench_parser, csv, llama_server_opt, llama_server_path, progress
 from .report import environment, table
-from .servers import Server, free_port, greedy_extra, resolved_settings, server_command
+from .servers import (
+    Server,
+    free_port,
+    greedy_extra,
+    peer_env,
+    resolved_settings,
+    server_command,
+)
 from .spec_prompts import (
     CHAT_CONVERSATIONS,
     CHAT_SYSTEM,
@@ -174,7 +181,8 @@ def run_spec_bench(*, model: str | None = None, n_ctx: int = 2048, threads: int 
             port = free_port()
             cmd = [c.replace("{port}", str(port)) for c in got[0]] + list(flags)
             # EdgeKV: the whole probe before serving (speculation runs only once it passed)
-            env = {**os.environ, "EDGEKV_FIRST_PROBE": "full"} if system == "edgekv" else None
+            env = ({**os.environ, "EDGEKV_FIRST_PROBE": "full"} if system == "edgekv"
+                   else peer_env("llama_server"))
             procs[name] = Server(name, cmd, got[1], port, workdir / f"{name}.log", env=env)
             procs[name].start()
             if system == "edgekv":

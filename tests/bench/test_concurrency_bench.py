@@ -23,7 +23,6 @@ from edgekv_bench.concurrency import (
     SERVERS,
     Setup,
     _edgekv_env,
-    _peer_env,
     _share_probes,
     _wanted,
     parse_concurrency,
@@ -187,7 +186,11 @@ def test_edgekv_servers_probe_and_share_one_verdict(tmp_path, monkeypatch):
     assert "EDGEKV_REUSE_GRANULARITY" not in env and env["HF_HUB_OFFLINE"] == "1"
     assert env["EDGEKV_FIRST_PROBE"] == "full"  # a measured run never serves a staged start
     # a peer runs as its users run it: without EdgeKV's kernel switch
-    assert "GGML_CPU_BATCH_INVARIANT" not in _peer_env() and _peer_env()["HF_HUB_OFFLINE"]
+    from edgekv_bench.servers import peer_env
+
+    peer = peer_env("llama_server")
+    assert peer is not None and "GGML_CPU_BATCH_INVARIANT" not in peer and peer["HF_HUB_OFFLINE"]
+    assert peer_env("edgekv") is None  # EdgeKV's own: this environment
     shared, run = tmp_path / "probes", tmp_path / "run" / "probes"
     _share_probes(shared, run)  # nothing recorded yet: the first start probes
     assert not run.exists()

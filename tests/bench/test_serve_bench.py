@@ -41,6 +41,27 @@ def test_the_stock_wheel_runs_only_where_it_was_built():
     assert cmd("llama_cpp_server")[0] != "/s/bin/python"  # type: ignore[index]
 
 
+def test_peers_run_without_edgekvs_switch_and_llama_cpp_python_on_the_stock_wheel(
+        monkeypatch, tmp_path):
+    from edgekv_bench.servers import peer_env, peer_lib
+
+    monkeypatch.setenv("GGML_CPU_BATCH_INVARIANT", "1")
+    monkeypatch.setenv("LLAMA_CPP_LIB_PATH", "/elsewhere")
+    lib = tmp_path / "stock-lib"
+    for name in ("llama_cpp_server", "llama_cpp_server_nocache", "llama_server",
+                 "llama_cpp_server_stock"):
+        env = peer_env(name, lib)
+        assert env is not None and "GGML_CPU_BATCH_INVARIANT" not in env
+        # the .venv's package on the stock wheel's libraries; the others on their own
+        assert env.get("LLAMA_CPP_LIB_PATH") == (str(lib.resolve()) if name in (
+            "llama_cpp_server", "llama_cpp_server_nocache") else None)
+    assert peer_env("edgekv", lib) is None  # EdgeKV runs its own build, its switch on
+    assert "LLAMA_CPP_LIB_PATH" not in (peer_env("llama_cpp_server", None) or {})
+    assert "make stock-lib" in str(peer_lib("llama_cpp_server_nocache", lib))
+    assert "switch unset" in str(peer_lib("llama_cpp_server_nocache", None))
+    assert peer_lib("llama_server", lib) is None
+
+
 def test_settings_come_from_the_servers_own_log():
     got = resolved_settings(LLAMA_SERVER_LOG)
     assert got["flash_attn"] == "enabled"  # resolved, not the requested "auto"

@@ -120,14 +120,25 @@ def test_a_request_waits_for_the_chunks_another_is_computing_and_reuses_them(kv,
     assert kv._computing == {} and kv.inflight_wait_s > 0
 
 
-def test_a_failed_generation_leaves_its_waiters_to_compute(kv):
-    a, b = Gated(fail=True), FakeAdapter()
-    pb = SHARED + "User: pair a sensor?"
+PB = SHARED + "User: pair a sensor?"
+
+
+def claim_then_wait(kv: EdgeKV, a: Gated, b: FakeAdapter, **kw: object
+                    ) -> tuple[threading.Thread, threading.Thread, dict[str, object],
+                               dict[str, object]]:
+    """A claims the shared chunks (held at its prefill), then B (prompt `PB`) starts on the
+    same prefix: (A's thread, B's, A's outcome, B's)."""
     ra: dict[str, object] = {}
     rb: dict[str, object] = {}
     ta = start(kv, SHARED + "User: reset?", a, ra)
     assert a.entered.wait(10)
-    tb = start(kv, pb, b, rb)
+    return ta, start(kv, PB, b, rb, **kw), ra, rb
+
+
+def test_a_failed_generation_leaves_its_waiters_to_compute(kv):
+    a, b = Gated(fail=True), FakeAdapter()
+    pb = PB
+    ta, tb, ra, rb = claim_then_wait(kv, a, b)
     wait_until(lambda: kv.inflight_waits == 1)
     a.gate.set()
     joined(ta, tb)
@@ -189,12 +200,8 @@ def test_a_wait_ends_at_its_timeout_and_the_waiter_computes_for_itself(kv):
     chunks itself (exact as ever), and does not wait again."""
     kv.inflight_timeout_s = 0.2
     a, b = Gated(), FakeAdapter()
-    pb = SHARED + "User: pair a sensor?"
-    ra: dict[str, object] = {}
-    rb: dict[str, object] = {}
-    ta = start(kv, SHARED + "User: reset?", a, ra)
-    assert a.entered.wait(10)
-    tb = start(kv, pb, b, rb)
+    pb = PB
+    ta, tb, ra, rb = claim_then_wait(kv, a, b)
     joined(tb)  # while A is still held at its prefill
     assert ta.is_alive() and kv.inflight_waits == 1 and kv.inflight_timeouts == 1
     res_b = rb["result"]
@@ -209,12 +216,8 @@ def test_a_waiter_whose_client_left_stops_waiting(kv):
     from edgekv.errors import Cancelled
 
     a, b = Gated(), FakeAdapter()
-    ra: dict[str, object] = {}
-    rb: dict[str, object] = {}
     gone = threading.Event()
-    ta = start(kv, SHARED + "User: reset?", a, ra)
-    assert a.entered.wait(10)
-    tb = start(kv, SHARED + "User: pair a sensor?", b, rb, cancelled=gone)
+    ta, tb, ra, rb = claim_then_wait(kv, a, b, cancelled=gone)
     wait_until(lambda: kv.inflight_waits == 1)
     gone.set()
     joined(tb)  # A still computes: B left without it

@@ -86,6 +86,17 @@ def _alone(adapter: Any, prompt: list[int], steps: list[int]) -> list[np.ndarray
     return out
 
 
+def _compare(ref: list[list[np.ndarray]], got: list[list[np.ndarray]]) -> tuple[float, bool]:
+    """Max |logit diff| of each sequence's steps against alone, and whether all are equal."""
+    diff, same = 0.0, True
+    for r_seq, g_seq in zip(ref, got, strict=True):
+        for r, g in zip(r_seq, g_seq, strict=True):
+            d = float(np.max(np.abs(r - g)))
+            diff = max(diff, d)
+            same = same and d == 0.0
+    return diff, same
+
+
 def multi_sequence_diff(adapter: Any, tokens: Sequence[int], *,
                         unified: bool = True) -> tuple[str, float, bool] | None:
     """(schedule name, max |logit diff| vs each sequence alone, all identical), or None where
@@ -100,7 +111,6 @@ def multi_sequence_diff(adapter: Any, tokens: Sequence[int], *,
             "decode steps)")
     ref = [_alone(adapter, p, s) for p, s in seqs]
     total = sum(len(p) + len(s) for p, s in seqs)
-    diff, same = 0.0, True
     with adapter.sequence_context(len(seqs), total, unified=unified) as ctx:
         items = [(t, pos, s, pos == len(p) - 1)
                  for s, (p, _) in enumerate(seqs) for pos, t in enumerate(p)]
@@ -110,12 +120,7 @@ def multi_sequence_diff(adapter: Any, tokens: Sequence[int], *,
                           for s, (p, steps) in enumerate(seqs)]
             for s, x in enumerate(ctx.decode(step_items)):
                 got[s].append(x)
-    for r_seq, g_seq in zip(ref, got, strict=True):
-        for r, g in zip(r_seq, g_seq, strict=True):
-            d = float(np.max(np.abs(r - g)))
-            diff = max(diff, d)
-            same = same and d == 0.0
-    return name, diff, same
+    return (name, *_compare(ref, got))
 
 
 def split_prefill_diff(adapter: Any, tokens: Sequence[int]) -> tuple[str, float, bool] | None:
@@ -152,10 +157,4 @@ def split_prefill_diff(adapter: Any, tokens: Sequence[int]) -> tuple[str, float,
                 got[2].append(out[2])
         for step, t in enumerate(sc):
             got[2] += ctx.decode([(t, len(pc) + step, 2, True)])
-    diff, same = 0.0, True
-    for r_seq, g_seq in zip(ref, got, strict=True):
-        for r, g in zip(r_seq, g_seq, strict=True):
-            d = float(np.max(np.abs(r - g)))
-            diff = max(diff, d)
-            same = same and d == 0.0
-    return name, diff, same
+    return (name, *_compare(ref, got))
