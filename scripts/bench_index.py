@@ -47,7 +47,12 @@ COMMANDS = {
 CONDITIONS = {
     "serve.json": "the current `bench serve` run: the patched engine, 24 requests",
     "serve-zen4.json": "another machine kind: AMD EPYC Zen 4 (AVX512-VNNI), 40 requests",
-    "serve-concurrency.json": "another condition: `--concurrency 1,2,4,8 --parallel 4`",
+    "serve-concurrency.json": "another condition: load (`--concurrency 1,2,4,8,16 --rate knee`;"
+                              " gsp, multiround, chat, docs; edgekv = `--parallel 4`), on AMD "
+                              "EPYC Zen 4",
+    "serve-prefill-split.json": "another condition: the step budget against "
+                                "`--step-budget-ms 0` (docs, 4 and 8 clients), the sitting of "
+                                "serve-concurrency.json",
     "kernels.json": "the AVX2-only machine kind (AMD EPYC without AVX512); reduced: 3 rounds, "
                     "every weight type and build",
     "kernels-zen4.json": "another machine kind: AMD EPYC Zen 4, 7 interleaved rounds",

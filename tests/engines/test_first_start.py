@@ -94,10 +94,12 @@ def test_serve_is_ready_after_the_short_probe_and_adopts_the_rest(tmp_path):
             assert proc.poll() is None, (tmp_path / "server.log").read_text()[-2000:]
             assert time.monotonic() < deadline, "not ready within 180 s"
             time.sleep(0.2)
-        engine = h.json()["engine"]
+        engine, parallel = h.json()["engine"], h.json()["parallel"]
         if engine["probe_pending"]:  # (the background stages may already have finished)
             assert engine["reuse_granularity"] == "chunk" and "not run yet" in engine["why"]
             assert engine["speculative"].startswith("off:"), engine  # not before it passed
+            # the default 4 slots wait for the probe's multi-sequence schedule
+            assert parallel["requested"] == 4 and not parallel["batched"], parallel
         body = {"model": "default", "max_tokens": 8, "temperature": 0,
                 "messages": [{"role": "user", "content": QUESTION}]}
         during = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()
@@ -107,6 +109,11 @@ def test_serve_is_ready_after_the_short_probe_and_adopts_the_rest(tmp_path):
             time.sleep(1)
         assert engine["reuse_granularity"] == "token", engine
         assert engine["speculative"].startswith("ngram drafts"), engine
+        deadline = time.monotonic() + 30  # the slots open right after the probe is adopted
+        while not (parallel := httpx.get(f"{url}/health").json()["parallel"])["batched"]:
+            assert time.monotonic() < deadline, parallel
+            time.sleep(0.2)
+        assert parallel["slots"] == 4, parallel
         for _ in range(2):  # the first stores the tail whole chunks left out; the next reuses it
             after = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()
             assert after["choices"][0]["message"] == during["choices"][0]["message"]

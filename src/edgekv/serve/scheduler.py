@@ -220,8 +220,7 @@ class Scheduler:
                 if on_error is not None:
                     on_error(e)
                 return
-            for i in range(1, workers):
-                self._spawn(i)
+            self.add_workers(workers)  # those the setup did not start already
             self.ready.set()
         while (job := self._next(index)) is not None:
             try:
