@@ -106,6 +106,8 @@ class _Claim:
 class EdgeKV:
     """Prefix KV reuse over one engine adapter, one (tiered) store and an optional router."""
 
+    inflight_timeout_s = INFLIGHT_TIMEOUT_S  # the longest a wait for another's chunks lasts
+
     def __init__(self, adapter: KVAdapter, store: FragmentStore,
                  config: CacheConfig | None = None, *, router: Router | None = None,
                  prefetcher: PrefetchHook | None = None, prefetch: bool = False,
@@ -159,9 +161,7 @@ class EdgeKV:
         # needs one waits for it instead of computing it too (`_claim`)
         self._computing: dict[str, _Claim] = {}
         self.inflight_waits = 0  # generations that waited for another's prompt chunks
-        self.inflight_wait_s = 0.0
-        self.inflight_timeouts = 0  # waits that gave up on a slow producer
-        self.inflight_timeout_s = INFLIGHT_TIMEOUT_S
+        self.inflight_wait_s, self.inflight_timeouts = 0.0, 0  # how long; waits given up
         # speculative decoding, decided now (the engine is idle) and again when a staged
         # probe's answer is adopted: `speculation`, and why it is on or off
         self.speculation: Speculation | None = None
