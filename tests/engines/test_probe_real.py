@@ -50,7 +50,8 @@ def test_the_probe_runs_a_long_prompt_and_the_batch_schedule(adapter):
     assert res.long_tokens == probe.LONG_PROBE_TOKENS >= 2000 and res.sequences == 3
     assert f"long {res.long_tokens}: 4 decode steps" in names
     assert any(n.startswith("3 sequences") for n in names)
-    assert len(names) == len(probe.schedules(res.tokens)) + 2 + 1
+    assert any(n.startswith("a prompt in pieces of 5, 16, 33, 69") for n in names)
+    assert len(names) == len(probe.schedules(res.tokens)) + 2 + 2  # long 2; batch, split
     # recorded, not deciding the granularity: the unified-KV batch, and the draft schedule
     # (speculative decoding's, bit for bit on the setup build)
     notes = {n: (d, same) for n, d, same in res.notes}
