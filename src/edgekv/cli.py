@@ -351,9 +351,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.parallel is not None and args.parallel > 1 and one_seq:
         raise ConfigError(f"--parallel {args.parallel} batches requests on one context; "
                           f"{one_seq} works on one sequence at a time: drop one of them")
-    # as llama-server: 4 slots by default, where the probe shows batching exact (open_slots
-    # says why not otherwise); a switch that fills one sequence per context keeps 1
-    parallel = args.parallel or (1 if one_seq else DEFAULT_SLOTS)
+    # as llama-server: 4 slots by default, where the probe shows batching exact; elsewhere
+    # (a switch that fills one sequence per context too) open_slots says why it runs 1
+    parallel = args.parallel or DEFAULT_SLOTS
     if args.step_budget_ms < 0:
         raise ConfigError(f"--step-budget-ms {args.step_budget_ms}: give 0 (off) or more")
     fill = _kv_loader(args)  # its switches are checked before the socket is up

@@ -128,6 +128,9 @@ def _refusal(kv: EdgeKV, *, pending_ok: bool = False) -> str | None:
     if not isinstance(kv.adapter, LlamaCppAdapter):
         return (f"the {type(kv.adapter).__name__} engine has no sequence ids to batch "
                 "requests under")
+    if not isinstance(kv.fill, LocalPrefill):
+        return (f"the fill step ({type(kv.fill).__name__}: passage reuse or --kv-server) "
+                "works on one sequence per context")
     if pending_ok:
         pass
     elif not kv.token_exact:
@@ -135,9 +138,6 @@ def _refusal(kv: EdgeKV, *, pending_ok: bool = False) -> str | None:
                 "depend on its batch and batching would change the answers")
     elif kv.probe is None or not kv.probe.sequences:
         return "the probe did not measure several sequences in one batch on this engine"
-    if not isinstance(kv.fill, LocalPrefill):
-        return (f"the fill step ({type(kv.fill).__name__}: passage reuse or --kv-server) "
-                "works on one sequence per context")
     if kv.adapter.window.swa_layers:
         return ("the model has sliding-window layers, whose KV is read from the whole cache "
                 "(one sequence per context)")
