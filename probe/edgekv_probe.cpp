@@ -13,7 +13,8 @@
 //     256-cell padding); 4 decode steps; 128-aligned chunks;
 //   - on 2,040 tokens (where the context holds them): a lone last token and 4 decode steps;
 //   - 3 sequences in one batch, a KV stream each (prompts, then 4 decode steps), against each
-//     alone; the same with a unified KV (recorded in notes, not deciding);
+//     alone; a prompt in pieces of 5, 16, 33, 69 tokens beside the other two's decode steps
+//     (a server's step budget); 3 sequences with a unified KV (recorded in notes, not deciding);
 //   - drafts verified in one batch against decode steps (notes).
 // The KV is compared as the state blob the Python probe parses (seq 0, or the whole cache for
 // sliding-window models), byte for byte.
@@ -52,7 +53,7 @@ __attribute__((weak)) void ggml_cpu_init(void);
 
 namespace {
 
-constexpr int PROBE_VERSION = 2;  // probe.py's PROBE_VERSION: the same schedules
+constexpr int PROBE_VERSION = 3;  // probe.py's PROBE_VERSION: the same schedules
 constexpr int DRAFTS = 7, KEPT = 5, MULTI_STEPS = 4;
 
 struct Result {
@@ -372,31 +373,26 @@ Result draft_verify(Engine & e, const std::vector<int> & all) {
     return {name, d, d == 0.0 && kv == ref_kv};
 }
 
-// probe_batch.multi_sequence_diff
-Result multi_sequence(Engine & e, const std::vector<int> & toks, bool unified) {
-    const int cuts[3] = {97, 150, 123};
-    const std::string layout = unified ? "unified KV" : "a KV stream each";
-    const std::string name = "3 sequences in one batch, " + layout + " (prompts, " +
-        std::to_string(MULTI_STEPS) + " decode steps)";
-    std::vector<std::vector<Logits>> ref(3);
-    int total = 0;
-    for (int s = 0; s < 3; ++s) {  // each alone through the probe's context
-        e.clear();
-        ref[s].push_back(e.prefill(toks, 0, cuts[s], e.n_ctx));
-        for (int k = 0; k < MULTI_STEPS; ++k)
-            ref[s].push_back(e.prefill(toks, cuts[s] + k, cuts[s] + k + 1, e.n_ctx));
-        e.clear();
-        total += cuts[s] + MULTI_STEPS;
+// A second context of the model holding 3 sequences (LlamaCppAdapter.sequence_context):
+// batches of (token, position, sequence id, wants logits), the rows asked for.
+struct SeqContext {
+    llama_context * ctx = nullptr;
+    int n_vocab = 0;
+
+    SeqContext(const Engine & e, int total, bool unified) : n_vocab(e.n_vocab) {
+        llama_context_params p = e.params;
+        p.n_seq_max = 3;
+        p.n_ctx = std::max(1024, total + 64);
+        p.n_batch = std::max((int) e.params.n_batch, total);
+        p.kv_unified = unified;
+        ctx = llama_init_from_model(e.model, p);
+        if (!ctx) fail("llama.cpp could not create a context for 3 sequences");
     }
-    llama_context_params p = e.params;
-    p.n_seq_max = 3;
-    p.n_ctx = std::max(1024, total + 64);
-    p.n_batch = std::max((int) e.params.n_batch, total);
-    p.kv_unified = unified;
-    llama_context * ctx = llama_init_from_model(e.model, p);
-    if (!ctx) fail("llama.cpp could not create a context for 3 sequences");
-    std::vector<std::vector<Logits>> got(3);
-    auto decode = [&](const std::vector<std::array<int, 4>> & items) {
+    SeqContext(const SeqContext &) = delete;
+    SeqContext & operator=(const SeqContext &) = delete;
+    ~SeqContext() { llama_free(ctx); }
+
+    std::vector<Logits> decode(const std::vector<std::array<int, 4>> & items) {
         llama_batch b = llama_batch_init((int) items.size(), 0, 3);
         b.n_tokens = (int) items.size();
         std::vector<int> want;
@@ -411,26 +407,109 @@ Result multi_sequence(Engine & e, const std::vector<int> & toks, bool unified) {
         const int rc = llama_decode(ctx, b);
         llama_batch_free(b);
         if (rc != 0) fail("llama_decode (3 sequences) returned " + std::to_string(rc));
+        std::vector<Logits> out;
         for (int i : want) {
             const float * q = llama_get_logits_ith(ctx, i);
-            got[items[i][2]].emplace_back(q, q + e.n_vocab);
+            out.emplace_back(q, q + n_vocab);
         }
-    };
-    std::vector<std::array<int, 4>> items;
-    for (int s = 0; s < 3; ++s)
-        for (int pos = 0; pos < cuts[s]; ++pos) items.push_back({toks[pos], pos, s, pos == cuts[s] - 1});
-    decode(items);
-    for (int k = 0; k < MULTI_STEPS; ++k) {
-        items.clear();
-        for (int s = 0; s < 3; ++s) items.push_back({toks[cuts[s] + k], cuts[s] + k, s, 1});
-        decode(items);
+        return out;
     }
-    llama_free(ctx);
+};
+
+constexpr int MULTI_CUTS[3] = {97, 150, 123};  // probe_batch.multi_sequence_prompts
+
+// each of the 3 sequences alone through the probe's context: its prompt in one batch, then
+// one token a step (probe_batch._alone); the tokens they hold in all
+std::vector<std::vector<Logits>> alone(Engine & e, const std::vector<int> & toks, int & total) {
+    std::vector<std::vector<Logits>> ref(3);
+    total = 0;
+    for (int s = 0; s < 3; ++s) {
+        const int c = MULTI_CUTS[s];
+        e.clear();
+        ref[s].push_back(e.prefill(toks, 0, c, e.n_ctx));
+        for (int k = 0; k < MULTI_STEPS; ++k)
+            ref[s].push_back(e.prefill(toks, c + k, c + k + 1, e.n_ctx));
+        e.clear();
+        total += c + MULTI_STEPS;
+    }
+    return ref;
+}
+
+Result verdict(const std::string & name, const std::vector<std::vector<Logits>> & ref,
+               const std::vector<std::vector<Logits>> & got) {
     double d = 0.0;
-    for (int s = 0; s < 3; ++s)
+    for (int s = 0; s < 3; ++s) {
+        if (ref[s].size() != got[s].size()) fail(name + ": a sequence got the wrong number of rows");
         for (size_t k = 0; k < ref[s].size(); ++k) d = std::max(d, max_diff(ref[s][k], got[s][k]));
+    }
     std::fprintf(stderr, "edgekv_probe: %-44s max |logit diff| = %-10.3g\n", name.c_str(), d);
     return {name, d, d == 0.0};
+}
+
+// probe_batch.multi_sequence_diff
+Result multi_sequence(Engine & e, const std::vector<int> & toks, bool unified) {
+    const std::string layout = unified ? "unified KV" : "a KV stream each";
+    const std::string name = "3 sequences in one batch, " + layout + " (prompts, " +
+        std::to_string(MULTI_STEPS) + " decode steps)";
+    int total = 0;
+    const auto ref = alone(e, toks, total);
+    SeqContext sc(e, total, unified);
+    std::vector<std::vector<Logits>> got(3);
+    std::vector<std::array<int, 4>> items;
+    for (int s = 0; s < 3; ++s)
+        for (int pos = 0; pos < MULTI_CUTS[s]; ++pos)
+            items.push_back({toks[pos], pos, s, pos == MULTI_CUTS[s] - 1});
+    auto out = sc.decode(items);
+    for (int s = 0; s < 3; ++s) got[s].push_back(out[s]);
+    for (int k = 0; k < MULTI_STEPS; ++k) {
+        items.clear();
+        for (int s = 0; s < 3; ++s) items.push_back({toks[MULTI_CUTS[s] + k], MULTI_CUTS[s] + k, s, 1});
+        out = sc.decode(items);
+        for (int s = 0; s < 3; ++s) got[s].push_back(out[s]);
+    }
+    return verdict(name, ref, got);
+}
+
+// probe_batch.split_prefill_diff: sequences 0 and 1's prompts in one batch; then the third's
+// prompt in pieces (SPLIT_PIECES, then the rest), each piece batched with one decode token of
+// each of the two (logits at each piece's last token); then the third's decode steps alone.
+// A KV stream per sequence.
+Result split_prefill(Engine & e, const std::vector<int> & toks) {
+    const int pieces[3] = {5, 16, 33};
+    const int a = MULTI_CUTS[0], b = MULTI_CUTS[1], c = MULTI_CUTS[2];
+    std::vector<int> cuts = {0};
+    for (int p : pieces) cuts.push_back(cuts.back() + p);
+    cuts.push_back(c);
+    if (cuts[cuts.size() - 2] >= c || (int) cuts.size() - 1 != MULTI_STEPS)
+        fail("the split-prefill probe needs a longer third prompt");
+    std::string sizes;
+    for (size_t i = 1; i < cuts.size(); ++i)
+        sizes += (i > 1 ? ", " : "") + std::to_string(cuts[i] - cuts[i - 1]);
+    const std::string name = "a prompt in pieces of " + sizes +
+        " tokens beside 2 sequences' decode steps, a KV stream each";
+    int total = 0;
+    const auto ref = alone(e, toks, total);
+    SeqContext sc(e, total, false);
+    std::vector<std::vector<Logits>> got(3);
+    std::vector<std::array<int, 4>> items;
+    for (int s = 0; s < 2; ++s)
+        for (int pos = 0; pos < MULTI_CUTS[s]; ++pos)
+            items.push_back({toks[pos], pos, s, pos == MULTI_CUTS[s] - 1});
+    auto out = sc.decode(items);
+    got[0].push_back(out[0]);
+    got[1].push_back(out[1]);
+    for (int k = 0; k < MULTI_STEPS; ++k) {
+        const int lo = cuts[k], hi = cuts[k + 1];
+        items = {{toks[a + k], a + k, 0, 1}, {toks[b + k], b + k, 1, 1}};
+        for (int i = lo; i < hi; ++i) items.push_back({toks[i], i, 2, i == hi - 1});
+        out = sc.decode(items);
+        got[0].push_back(out[0]);
+        got[1].push_back(out[1]);
+        if (hi == c) got[2].push_back(out[2]);
+    }
+    for (int k = 0; k < MULTI_STEPS; ++k)
+        got[2].push_back(sc.decode({{toks[c + k], c + k, 2, 1}})[0]);
+    return verdict(name, ref, got);
 }
 
 std::string esc(const std::string & s) {
@@ -592,6 +671,7 @@ int main(int argc, char ** argv) {
         if (multi) {
             results.push_back(multi_sequence(e, toks, false));
             sequences = 3;
+            results.push_back(split_prefill(e, toks));  // what a server's step budget does
             notes.push_back(multi_sequence(e, toks, true));
         }
         e.clear();
