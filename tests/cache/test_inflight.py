@@ -6,13 +6,15 @@ claimed waits for that and reuses them instead of computing them beside it (`Edg
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
 
 from edgekv import CacheConfig, EdgeKV, open_store
 from edgekv.engines import probe as probe_mod
+from edgekv.engines.base import SharedCPU
 from edgekv.engines.fake import FakeAdapter
 from edgekv.errors import EngineError
 
@@ -292,3 +294,48 @@ def test_chunks_stored_early_carry_the_route_semantic_routing_gives(tmp_path):
         assert ra["result"].match.route is not None
     finally:
         kv.close()
+
+
+class Marked(FakeAdapter):
+    """A sequence that shares the CPU with its caller (`base.SharedCPU`, as a server's slot):
+    records which of its calls ran inside the caller's marked cache work."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inside = 0
+        self.calls: list[tuple[str, bool]] = []
+
+    @contextmanager
+    def aside(self) -> Iterator[None]:
+        self.inside += 1
+        try:
+            yield
+        finally:
+            self.inside -= 1
+
+    def inject_fragments(self, fragments, limit=None):
+        self.calls.append(("inject", self.inside > 0))
+        return super().inject_fragments(fragments, limit)
+
+    def extract_fragments(self, specs):
+        self.calls.append(("extract", self.inside > 0))
+        return super().extract_fragments(specs)
+
+    def prefill(self, tokens: Sequence[int], *, align: int) -> np.ndarray:
+        self.calls.append(("prefill", self.inside > 0))
+        return super().prefill(tokens, align=align)
+
+
+def test_the_cache_work_on_a_sequence_is_marked_and_its_decoding_is_not(kv):
+    """On a sequence whose steps share the CPU (a server's slot), the cache's own work, the
+    lookup and injection and the store, runs inside `aside()`, so the slots' steps plan for
+    the slower cores; the sequence's own prefill and decode run outside it."""
+    assert isinstance(Marked(), SharedCPU) and not isinstance(FakeAdapter(), SharedCPU)
+    prompt = SHARED + "User: reset?"
+    kv.generate(prompt, max_tokens=4, sequence=Marked())  # stores the prompt's chunks
+    seq = Marked()
+    res = kv.generate(prompt + " And the hub?", max_tokens=4, sequence=seq)
+    assert res.cached_tokens > 0 and seq.inside == 0
+    kinds = {k for k, _ in seq.calls}
+    assert {"inject", "extract", "prefill"} <= kinds
+    assert all(inside == (kind != "prefill") for kind, inside in seq.calls), seq.calls

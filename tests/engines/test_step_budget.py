@@ -95,3 +95,43 @@ def test_a_prompt_that_fits_ends_and_the_next_one_starts_in_the_same_step():
     items, taken = p._plan(work, running=True)
     assert [(w.seq, n) for w, n in taken] == [(0, 1), (1, 30), (2, 69)]
     assert items[30][3]  # the first prompt's last token has its logits
+
+
+def test_steps_beside_the_cache_work_measure_a_slowdown_and_leave_the_line_alone():
+    cost = StepCost(slowdown_decay=0.5)
+    for n in (1, 50, 200):
+        cost.observe(n, 0.002 + 0.004 * n)
+    line = cost.line()
+    assert cost.slowdown == 1.0 and cost.tokens_within(0.1, shared=True) == 24
+    for _ in range(20):
+        cost.observe(24, 1.5 * (0.002 + 0.004 * 24), shared=True)  # the cores are shared
+    assert cost.line() == line  # not fitted: the line is the step with the CPU to itself
+    assert cost.slowdown == pytest.approx(1.5, rel=1e-3)
+    assert cost.tokens_within(0.1) == 24
+    assert cost.tokens_within(0.1, shared=True) == 16  # (100 / 1.5 - 2) / 4
+    cost.observe(24, 0.5 * (0.002 + 0.004 * 24), shared=True)  # faster than alone: noise
+    assert cost.slowdown >= 1.0
+
+
+def test_what_the_streams_waited_since_the_last_step_comes_off_the_budget():
+    p = pool(0.2)
+    for n in (1, 50, 200):
+        p.cost.observe(n, 0.002 + 0.004 * n)  # 49 tokens in 200 ms
+    work = [decode(0), prompt(1, 600)]
+    _, taken = p._plan(work, running=True, waited_s=0.04)  # a state read held the context
+    assert [n for _, n in taken] == [1, 38]  # (160 - 2) / 4 = 39 tokens in all
+    _, taken = p._plan(work, running=True, waited_s=0.5)
+    assert [n for _, n in taken] == [1, MIN_PIECE]  # the budget is gone: the minimum piece
+    _, taken = p._plan(work, running=False, waited_s=0.5)
+    assert [n for _, n in taken] == [1, 511]  # nothing runs: no budget
+
+
+def test_a_step_beside_the_cache_work_is_planned_at_the_measured_slowdown():
+    p = pool(0.2)
+    for n in (1, 50, 200):
+        p.cost.observe(n, 0.002 + 0.004 * n)
+    p.cost.slowdown = 2.0
+    _, taken = p._plan([decode(0), prompt(1, 600)], running=True, shared=True)
+    assert [n for _, n in taken] == [1, 23]  # (100 - 2) / 4 = 24 tokens in all
+    _, taken = p._plan([decode(0), prompt(1, 600)], running=True)
+    assert [n for _, n in taken] == [1, 48]

@@ -19,14 +19,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..config import CacheConfig
-from ..engines.base import Generation, KVAdapter, TokenCallback, WindowedKV
+from ..engines.base import Generation, KVAdapter, SharedCPU, TokenCallback, WindowedKV
 from ..engines.probe import (
     ProbeFinisher,
     ProbeResult,
@@ -363,7 +364,7 @@ class EdgeKV:
             t_gen = time.perf_counter()
             if routed:  # the early commit routed it: the same route, not a second embedding
                 match = routed[0]
-            with self._steps:
+            with self._cache_step(a):
                 match, stored, written = self._commit(req, match, filled, cached, a)
         except BaseException:
             if match is not None:
@@ -375,6 +376,14 @@ class EdgeKV:
                        time.perf_counter() + early[2])
         return self._result(req, a, gen, match, cached, filled, logits, traffic,
                             stored + int(early[0]), written + int(early[1]), times)
+
+    @contextmanager
+    def _cache_step(self, a: KVAdapter) -> Iterator[None]:
+        """One of the cache's own steps (a lookup and injection, a store): they take turns,
+        and on a server's slot they are CPU work beside the other slots' steps, which plan
+        for it (`SharedCPU.aside`)."""
+        with self._steps, (a.aside() if isinstance(a, SharedCPU) else nullcontext()):
+            yield
 
     def _request(self, prompt: str | Sequence[int] | Request,
                  options: RequestOptions) -> Request:
@@ -396,7 +405,7 @@ class EdgeKV:
         routed: list[PrefixMatch] = []
 
         def commit_prompt() -> None:
-            with self._steps:
+            with self._cache_step(a):
                 if claimed.waiters and not claimed.done.is_set():
                     t = time.perf_counter()
                     got = self._route(req, match)
@@ -505,7 +514,7 @@ class EdgeKV:
         waiting = claimed is not None and req.use_cache
         reached = -1  # what the match reached before the last wait
         while True:
-            with self._steps:
+            with self._cache_step(a):
                 match = self._match(req)
                 t_lookup = time.perf_counter()
                 if waiting and reached >= 0 and match.n_tokens <= reached:

@@ -23,6 +23,8 @@ Capabilities beyond the protocol are explicit protocols too, each checked once, 
 - `DraftVerifier`: the adapter evaluates several tokens with every position's logits and drops
   cells from the end, so drafts can be verified in one batch (`spec`; llama.cpp, its slots and
   the fake engine).
+- `SharedCPU`: the adapter's steps share the CPU with its caller's threads; `aside()` marks
+  the caller's own work beside them, which the steps plan for (a server's slots).
 - `ModelFile`: the adapter runs a model file (`model_path`), whose stem names the served model
   (llama.cpp, torch, onnx; not the fake engine).
 
@@ -37,6 +39,7 @@ among their bases, so the type checker holds them to it.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -52,8 +55,8 @@ if TYPE_CHECKING:
     from .spec import Speculation
 
 __all__ = ["DraftVerifier", "EngineCounters", "FragmentSpec", "Generation", "KVAdapter", "KVRun",
-           "KernelSettings", "ModelFile", "PassageEngine", "ShiftableKV", "TokenCallback",
-           "Twinned", "WindowedKV"]
+           "KernelSettings", "ModelFile", "PassageEngine", "SharedCPU", "ShiftableKV",
+           "TokenCallback", "Twinned", "WindowedKV"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,6 +280,18 @@ class DraftVerifier(Protocol):
 
     def truncate(self, n: int) -> None:
         """Keep the first `n` tokens' cells, drop the rest (rejected drafts leave no trace)."""
+        ...
+
+
+@runtime_checkable
+class SharedCPU(Protocol):
+    """The adapter's computation shares the CPU with its caller's threads (a server's slot,
+    whose steps the other slots' generations ride in): `aside` marks a stretch of the
+    caller's own CPU work beside it (the cache's lookup and injection, its stores), so the
+    engine plans its steps for the slower cores meanwhile."""
+
+    def aside(self) -> AbstractContextManager[None]:
+        """A context manager around the caller's work."""
         ...
 
 

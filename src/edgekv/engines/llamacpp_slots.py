@@ -23,7 +23,11 @@ How, and why it stays exact:
   while any generation runs, a step holds every decode token plus only as much prefill as
   fits a step budget (`step_budget_s`, `edgekv serve --step-budget-ms`), converted to tokens
   by `StepCost`, a line (fixed cost + cost per token) fitted to the steps measured so far, so
-  the pieces follow the machine, the model and the load. With no generation running a prompt
+  the pieces follow the machine, the model and the load. The budget is the running streams'
+  time from one token to the next: what they waited since the last step (sampling, the
+  rendezvous, a slot's state read holding the context) comes off it, and a step beside the
+  cache's own work on a slot's thread (`SlotPool.aside`: a lookup and injection, a store)
+  is planned at the slowdown measured for such steps. With no generation running a prompt
   goes in pieces of `max_batch` (llama-server's n_batch), the fastest way to its first token.
   A piece of at least `MIN_PIECE` tokens goes in every step, so prompts progress however
   many generations run. Where a prompt is cut changes only which tokens share a batch, and
@@ -53,7 +57,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -61,7 +66,7 @@ import numpy as np
 
 from ..errors import EngineError, IncompatibleFragment, UnsupportedLayout
 from ..fragment import KVFragment
-from .base import EngineCounters, FragmentSpec, Generation, TokenCallback
+from .base import EngineCounters, FragmentSpec, Generation, SharedCPU, TokenCallback
 from .constraint import Constraint, Grammar
 from .llamacpp_state import CellBlock, SeqState, parse_seq_state
 from .shared import (
@@ -90,26 +95,39 @@ FIRST_PIECE = 64  # the piece beside running generations before any step was mea
 class StepCost:
     """A step's seconds as `fixed + per_token * tokens`, fitted by exponentially weighted
     least squares to the steps measured (recent ones count most: the machine's load and the
-    context's length move the cost)."""
+    context's length move the cost).
 
-    def __init__(self, decay: float = 0.95) -> None:
-        self.decay = decay
+    Steps that share the CPU with the cache's own work (a slot looking up and injecting, or
+    storing its answer's KV, on its own thread: `SlotPool.aside`) are not fitted to the line:
+    they run slower by a factor of their own, `slowdown`, the weighted mean of such steps'
+    measured over predicted seconds. On 2 cores a store's copies took 1.36x off the steps
+    beside it (the median over a docs run at 4 clients), and budgeting those steps as if the
+    cores were free made them the longest inter-token gaps of the run."""
+
+    def __init__(self, decay: float = 0.95, slowdown_decay: float = 0.7) -> None:
+        self.decay, self.slowdown_decay = decay, slowdown_decay
         self._w = self._n = self._t = self._nn = self._nt = 0.0
         self.steps = 0
         self.longest_s = 0.0
+        self.slowdown = 1.0  # until a shared step was measured: none assumed
 
-    def observe(self, tokens: int, seconds: float) -> None:
+    def observe(self, tokens: int, seconds: float, *, shared: bool = False) -> None:
+        self.steps += 1
+        self.longest_s = max(self.longest_s, seconds)
+        if shared:
+            if (got := self.line()) is not None and (predicted := got[0] + got[1] * tokens) > 0:
+                d = self.slowdown_decay
+                self.slowdown = d * self.slowdown + (1 - d) * max(1.0, seconds / predicted)
+            return
         d = self.decay
         self._w = d * self._w + 1.0
         self._n = d * self._n + tokens
         self._t = d * self._t + seconds
         self._nn = d * self._nn + tokens * tokens
         self._nt = d * self._nt + tokens * seconds
-        self.steps += 1
-        self.longest_s = max(self.longest_s, seconds)
 
     def line(self) -> tuple[float, float] | None:
-        """(fixed s, s per token), or None before any step."""
+        """(fixed s, s per token) with the CPU to itself, or None before any such step."""
         if self._w == 0.0 or self._n == 0.0:
             return None
         var = self._w * self._nn - self._n * self._n
@@ -118,13 +136,15 @@ class StepCost:
             return 0.0, self._t / self._n
         return max(0.0, (self._t - slope * self._n) / self._w), slope
 
-    def tokens_within(self, budget_s: float) -> int | None:
-        """How many tokens a step can hold in `budget_s`; None before any step."""
+    def tokens_within(self, budget_s: float, *, shared: bool = False) -> int | None:
+        """How many tokens a step can hold in `budget_s` (`shared`: beside the cache's own
+        work, at `slowdown`); None before any step."""
         got = self.line()
         if got is None:
             return None
         fixed, per_token = got
-        return int(max(0.0, budget_s - fixed) / per_token)
+        slow = self.slowdown if shared else 1.0
+        return int(max(0.0, budget_s / slow - fixed) / per_token)
 
 
 @dataclass(eq=False)
@@ -168,6 +188,10 @@ class SlotPool:
         self._stepping: set[int] = set()  # slots that got logits and may hand in soon
         self._arrivals = 0
         self._closed = False
+        self._aside = 0  # slots doing the cache's own work (`aside`), CPU the steps share
+        self._asides = 0  # how many such stretches began (one that began and ended inside
+        # a step shared its CPU too)
+        self._stepped = time.perf_counter()  # when the last step handed out its logits
         self.step_budget_s = step_budget_s
         self.cost = StepCost()
         # what batching did, for /metrics: steps decoded, tokens, the widest batch; steps
@@ -203,6 +227,19 @@ class SlotPool:
             raise work.error
         assert work.logits is not None
         return work
+
+    @contextmanager
+    def aside(self) -> Iterator[None]:
+        """A slot's thread does the cache's own CPU work meanwhile (a lookup and injection, a
+        store): the steps beside it are planned at the slowdown measured for such steps."""
+        with self._cond:
+            self._aside += 1
+            self._asides += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._aside -= 1
 
     def leave(self, seq: int) -> None:
         """Slot `seq` does something else before its next hand-in: do not wait for it."""
@@ -243,7 +280,8 @@ class SlotPool:
                 "step_budget_seconds": self.step_budget_s or 0.0,
                 "budgeted_steps": self.budgeted_steps,
                 "step_fixed_seconds": line[0], "step_token_seconds": line[1],
-                "step_longest_seconds": self.cost.longest_s}
+                "step_longest_seconds": self.cost.longest_s,
+                "step_shared_slowdown": self.cost.slowdown}
 
     def close(self) -> None:
         with self._cond:
@@ -272,22 +310,25 @@ class SlotPool:
             running = bool(self._stepping - self._pending.keys()) or any(map(_decoding, work))
             return work, running
 
-    def _room(self, running: bool) -> int:
+    def _room(self, running: bool, waited_s: float = 0.0, shared: bool = False) -> int:
         """The tokens one step may hold: `max_batch`, or with generations running what the
-        step budget fits (`_plan` still adds up to `MIN_PIECE` of prefill)."""
+        step budget fits (`_plan` still adds up to `MIN_PIECE` of prefill). The budget is
+        the running streams' time between two tokens, so what they already waited since the
+        last step (sampling, the rendezvous, a slot's state read holding the context) comes
+        off it; `shared`: the step runs beside the cache's own work (`aside`)."""
         if not running or self.step_budget_s is None:
             return self.max_batch
-        fits = self.cost.tokens_within(self.step_budget_s)
+        fits = self.cost.tokens_within(max(0.0, self.step_budget_s - waited_s), shared=shared)
         return min(self.max_batch, FIRST_PIECE if fits is None else fits)
 
-    def _plan(self, work: list[_Work], running: bool = False
-              ) -> tuple[list[BatchItem], list[tuple[_Work, int]]]:
+    def _plan(self, work: list[_Work], running: bool = False, waited_s: float = 0.0,
+              shared: bool = False) -> tuple[list[BatchItem], list[tuple[_Work, int]]]:
         """One step's batch: every decode token, then prompts' next pieces in arrival order,
         up to `_room` tokens in all but at least `MIN_PIECE` of prefill (never over
         `max_batch`); (work, tokens taken) each."""
         items: list[BatchItem] = []
         taken: list[tuple[_Work, int]] = []
-        budget = self._room(running)
+        budget = self._room(running, waited_s, shared)
         prefill = 0
         for w in work:
             room = self.max_batch - len(items)
@@ -309,12 +350,14 @@ class SlotPool:
     def _loop(self) -> None:
         while (got := self._gather()) is not None:
             work, running = got
-            items, taken = self._plan(work, running)
             try:
-                with self._lock:
+                with self._lock:  # planned once it is held: a state read may have held it
                     t0 = time.perf_counter()
+                    asides, shared = self._asides, self._aside > 0
+                    items, taken = self._plan(work, running, t0 - self._stepped, shared)
                     logits = self._ctx.decode(items)
-                    self.cost.observe(len(items), time.perf_counter() - t0)
+                    self.cost.observe(len(items), time.perf_counter() - t0,
+                                      shared=shared or self._asides != asides)
             except BaseException as e:  # noqa: BLE001 - handed to the slots that waited
                 with self._cond:
                     for w, _ in taken:
@@ -323,6 +366,7 @@ class SlotPool:
                             f"batched decode failed: {e}")
                         w.done.set()
                 continue
+            self._stepped = time.perf_counter()
             self.steps += 1
             self.tokens += len(items)
             self.max_sequences = max(self.max_sequences, len(taken))
@@ -349,7 +393,7 @@ def _decoding(w: _Work) -> bool:
     return w.every or len(w.tokens) == 1
 
 
-class Slot(SequenceAdapter):
+class Slot(SequenceAdapter, SharedCPU):
     """One sequence of a `SlotPool`, as a `KVAdapter`: what `LlamaCppAdapter` does for its one
     sequence, on sequence `seq` of the pool's context. Tokenizing, templates and grammars are
     the model's, from the pool's adapter."""
@@ -395,6 +439,10 @@ class Slot(SequenceAdapter):
         return self._base.grammar_constraint(grammar)
 
     # -- the sequence ----------------------------------------------------------------------
+
+    def aside(self) -> AbstractContextManager[None]:
+        """`base.SharedCPU`: the caller's cache work, beside the other slots' steps."""
+        return self.pool.aside()
 
     def clear_kv_cache(self) -> None:
         self.pool.leave(self.seq)

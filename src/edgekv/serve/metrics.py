@@ -22,7 +22,8 @@ waited for another slot's prompt chunks, and for how long: `EdgeKV.generate`),
 `edgekv_batch_slot_tokens` (what a slot's own KV stream holds), and the step budget's
 `edgekv_batch_budgeted_steps_total`, `edgekv_batch_step_budget_seconds`, the fitted
 `edgekv_batch_step_fixed_seconds` and `edgekv_batch_step_token_seconds`, and
-`edgekv_batch_step_longest_seconds`.
+`edgekv_batch_step_longest_seconds`, and `edgekv_batch_step_shared_slowdown` (steps beside
+the cache's own work).
 """
 
 from __future__ import annotations
@@ -246,7 +247,9 @@ def _parallel_collector(stats: Callable[[], Mapping[str, float] | None]) -> _Sta
                                 "generations may take (0: off)",
          "step_fixed_seconds": "The fitted cost of a step, fixed part",
          "step_token_seconds": "The fitted cost of a step, per token",
-         "step_longest_seconds": "The longest batched step so far"})
+         "step_longest_seconds": "The longest batched step so far",
+         "step_shared_slowdown": "How much slower a step runs beside the cache's own work "
+                                 "on a slot's thread (measured; the budget plans for it)"})
 
 
 def _spec_collector(stats: Callable[[], Mapping[str, float] | None]) -> _StatsCollector:

@@ -73,7 +73,8 @@ class Slots:
         batched = (self.pool.stats() if self.pool is not None
                    else dict.fromkeys(("steps", "tokens", "max_sequences", "budgeted_steps",
                                        "step_budget_seconds", "step_fixed_seconds",
-                                       "step_token_seconds", "step_longest_seconds"), 0.0))
+                                       "step_token_seconds", "step_longest_seconds",
+                                       "step_shared_slowdown"), 0.0))
         slot_tokens = self.pool.adapter.n_ctx if self.pool is not None else 0
         return {"slots": float(self.count), "requested": float(self.requested),
                 "slot_tokens": float(slot_tokens), **{k: float(v) for k, v in batched.items()}}
