@@ -1,23 +1,37 @@
-"""The load row of `edgekv bench faults`: `edgekv serve` under 8 concurrent loopback clients
-for `duration` seconds, mixing good requests (streamed, checked against their cold output),
-malformed ones (must be 4xx) and clients that disconnect mid-request. Reported: unexpected
-errors (anything but the answers and the documented 4xx/429), 429s, p50/p99 TTFT, throughput
-and the server's RSS sampled every second (flat memory: its growth after warm-up). Entries:
-every fragment file seen complete in the server's store (sampled each second and at the end)
-is acknowledged; one that cannot be read (checksum verified) after the server stops is lost.
-The server's own evictions are not reported by key, so an eviction would count as lost here
-(the disk tier's 2 GiB is far above what a run writes). A client thread that raises, or a
-server that dies while loading, fails the row (`HarnessError`): no count is then reported."""
+"""The load rows of `edgekv bench faults`, `edgekv serve` under 8 concurrent loopback clients.
+
+`serve_load`: for `duration` seconds, good requests (streamed, checked against their cold
+output), malformed ones (must be 4xx) and clients that disconnect mid-request. Reported:
+unexpected errors (anything but the answers and the documented 4xx/429), 429s, p50/p99 TTFT,
+throughput and the server's RSS sampled every second (flat memory: its growth after warm-up).
+Entries: every fragment file seen complete in the server's store (sampled each second and at
+the end) is acknowledged; one that cannot be read (checksum verified) after the server stops
+is lost. The server's own evictions are not reported by key, so an eviction would count as
+lost here (the disk tier's 2 GiB is far above what a run writes).
+
+`serve_kill_under_load`: the same server at its defaults while 8 clients stream good
+requests, killed with SIGKILL `kills` times and started again at once on the same port and
+cache directory, as a supervisor restarts it. Every request must end in a correct answer or
+an error the client sees (the connection refused or cut, a 503 while the model loads, a 429);
+one that hangs is lost. Recovery runs from the kill to the first correct answer, sent after
+the kill, that reused the cache (`cached_tokens` > 0); each recovery is split into the
+restart's listening socket, its first `/health` 200 and that answer.
+
+A client thread that raises, or a server that dies while loading, fails the row
+(`HarnessError`): no count is then reported."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
+import signal
 import socket
 import statistics
 import subprocess
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +48,7 @@ from .faults_kit import (
     readable_entries,
 )
 
-__all__ = ["load_fault"]
+__all__ = ["load_fault", "serve_kill"]
 
 CLIENTS = 8
 # bodies the server must refuse with a 4xx (JSON that is not JSON, wrong types, missing or
@@ -65,28 +79,58 @@ def _pct(xs: list[float], q: float) -> float | None:
     return round(xs[min(len(xs) - 1, int(q * len(xs)))] * 1000.0, 1)
 
 
+def _serve_cmd(cache: Path, o: dict[str, Any], port: int) -> list[str]:
+    """`edgekv serve` at its defaults (slots as the probe allows) on `cache`."""
+    cmd = ["serve", "--port", str(port), "--cache-dir", str(cache), "--n-ctx", str(o["n_ctx"])]
+    if o["model"]:
+        cmd += ["--model", str(o["model"])]
+    return edgekv_cmd(*cmd)
+
+
+def _start(cmd: list[str], cache: Path, errf: Any) -> tuple[subprocess.Popen[bytes], str]:
+    """The server process and its base URL, once its socket listens (before the model loads)."""
+    server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errf, env=child_env(cache))
+    assert server.stdout is not None
+    line = server.stdout.readline().decode()
+    if "listening on " not in line:
+        server.wait()
+        raise HarnessError(f"edgekv serve exited with status {server.returncode} before it "
+                           "listened (see its stderr)")
+    return server, line.split("listening on ", 1)[1].split()[0]
+
+
+def _stop(server: subprocess.Popen[bytes]) -> None:
+    """Stop (SIGTERM, then SIGKILL) and reap a server; its stdout closed."""
+    from edgekv.serve.runner import stop_process
+
+    stop_process(server)
+    if server.stdout is not None:
+        server.stdout.close()
+
+
+def _wait_healthy(url: str, server: subprocess.Popen[bytes], poll_s: float = 0.5) -> str:
+    """Poll `/health` until 200 (the model loaded); the served model's id."""
+    import httpx
+
+    with httpx.Client(base_url=url, timeout=600) as c:
+        while c.get("/health").status_code != 200:
+            if server.poll() is not None:
+                raise HarnessError(f"edgekv serve exited with status {server.returncode} "
+                                   "while loading")
+            time.sleep(poll_s)
+        return str(c.get("/v1/models").json()["data"][0]["id"])
+
+
 def load_fault(work: Path, o: dict[str, Any]) -> dict[str, Any]:
     import httpx
 
     prompts = fault_prompts(o["requests"], o["seed"])
     texts = cold_texts(prompts, o)
     cache = new_cache_dir(work / "cache")
-    cmd = ["serve", "--port", "0", "--cache-dir", str(cache), "--n-ctx", str(o["n_ctx"])]
-    if o["model"]:
-        cmd += ["--model", str(o["model"])]
     errf = (work / "serve.stderr").open("wb")
-    server = subprocess.Popen(edgekv_cmd(*cmd), stdout=subprocess.PIPE, stderr=errf,
-                              env=child_env(cache))
-    assert server.stdout is not None
-    url = server.stdout.readline().decode().split("listening on ", 1)[1].split()[0]
+    server, url = _start(_serve_cmd(cache, o, 0), cache, errf)
     host, port = url.rsplit("//", 1)[1].rsplit(":", 1)
-    with httpx.Client(base_url=url, timeout=600) as c:
-        while c.get("/health").status_code != 200:
-            if server.poll() is not None:
-                raise HarnessError(f"edgekv serve exited with status {server.returncode} "
-                                   "while loading")
-            time.sleep(0.5)
-        model = c.get("/v1/models").json()["data"][0]["id"]
+    model = _wait_healthy(url, server)
     lock = threading.Lock()
     stats: dict[str, Any] = {"good": 0, "answered": 0, "wrong": 0, "lost": 0, "malformed": 0,
                              "disconnects": 0, "unexpected": [], "status": {}, "tokens": 0}
@@ -209,10 +253,7 @@ def load_fault(work: Path, o: dict[str, Any]) -> dict[str, Any]:
     except httpx.HTTPError:  # a dead server is a finding (server_alive), not a harness crash
         healthy = False
     alive = server.poll() is None
-    from edgekv.serve.runner import stop_process
-
-    stop_process(server)
-    server.stdout.close()
+    _stop(server)
     errf.close()
     Watched.check([sampler, *threads])
     lost_entries = len(seen - readable_entries(store_dir, seen))
@@ -239,3 +280,183 @@ def load_fault(work: Path, o: dict[str, Any]) -> dict[str, Any]:
         acked_entries=len(seen),
         notes="no store fault: entries are checked after the server stops; recovery: not "
         "applicable")
+
+
+# -- kill -9 of the server while clients stream ------------------------------------------------
+
+RECOVERY_WAIT_S = 180.0  # a restart with no correct cached answer by then did not recover
+RETRY_S = 0.25  # a client's retry after an error without Retry-After (the SDK's order)
+
+
+class _Streams:
+    """`CLIENTS` threads that stream good requests until `stop`, each ending in an answer
+    (kept as (sent, finished, correct, cached tokens)) or an error the client saw, counted by
+    kind: `refused` (no server listening), `cut` (the stream ended before `[DONE]`), `503`
+    (loading), `429` (queue full); `timeout` (no byte for `read_s`) is a lost request. A
+    client retries after an error: after the server's `Retry-After` where it sent one, else
+    after `RETRY_S`."""
+
+    def __init__(self, url: str, model: str, prompts: list[str], texts: list[str],
+                 o: dict[str, Any], read_s: float = 120.0) -> None:
+        self.url, self.model, self.prompts, self.texts, self.o = url, model, prompts, texts, o
+        self.read_s = read_s
+        self.lock = threading.Lock()
+        self.done: list[tuple[float, float, bool, int]] = []
+        self.errors: Counter[str] = Counter()
+        self.unexpected: list[str] = []
+        self.stop = threading.Event()
+        self.wait = threading.local()  # a client's next retry delay
+        self.threads = [Watched(self._client, k, name=f"client-{k}") for k in range(CLIENTS)]
+
+    def _one(self, cl: Any, i: int) -> str | None:
+        """One streamed request: None for a full answer (recorded), else the error's kind
+        (a refusal's `Retry-After` kept in `self.wait`, as the openai SDK honours it)."""
+        import httpx
+
+        body = {"model": self.model, "prompt": self.prompts[i], "max_tokens":
+                self.o["max_tokens"], "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}
+        sent, text, cached, finished = time.time(), [], 0, False
+        try:
+            with cl.stream("POST", "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    r.read()
+                    with contextlib.suppress(ValueError):
+                        self.wait.value = float(r.headers.get("retry-after", ""))
+                    return str(r.status_code)
+                for line in r.iter_lines():
+                    if line == "data: [DONE]":
+                        finished = True
+                    elif line.startswith("data: "):
+                        chunk = json.loads(line[6:])
+                        if "error" in chunk:
+                            return "stream_error"
+                        text += [c.get("text", "") for c in chunk.get("choices", [])]
+                        details = (chunk.get("usage") or {}).get("prompt_tokens_details") or {}
+                        cached = int(details.get("cached_tokens") or cached)
+        except httpx.TimeoutException:
+            return "timeout"
+        except httpx.ConnectError:
+            return "refused"
+        except httpx.TransportError:  # reset or closed mid-response: the kill, seen
+            return "cut"
+        if not finished:
+            return "cut"
+        with self.lock:
+            self.done.append((sent, time.time(), "".join(text) == self.texts[i], cached))
+        return None
+
+    def _client(self, k: int) -> None:
+        import httpx
+
+        rng = random.Random(self.o["seed"] * 100 + k)
+        timeout = httpx.Timeout(10.0, read=self.read_s)
+        with httpx.Client(base_url=self.url, timeout=timeout) as cl:
+            while not self.stop.is_set():
+                self.wait.value = RETRY_S
+                kind = self._one(cl, rng.randrange(len(self.prompts)))
+                if kind is None:
+                    continue
+                with self.lock:
+                    self.errors[kind] += 1
+                    if kind not in ("refused", "cut", "503", "429", "timeout"):
+                        self.unexpected.append(kind)
+                time.sleep(min(self.wait.value, 10.0))
+
+    def first_answer(self, after: float, *, cached: bool, wait_s: float) -> float | None:
+        """When the first correct answer sent after `after` (and reusing the cache, if
+        `cached`) finished; None if none did within `wait_s`."""
+        deadline = time.time() + wait_s
+        while True:
+            with self.lock:
+                ok = [end for sent, end, right, c in self.done
+                      if sent > after and right and (c > 0 or not cached)]
+            if ok:
+                return min(ok)
+            if time.time() > deadline or any(t.error for t in self.threads):
+                return None
+            time.sleep(0.02)
+
+
+def serve_kill(work: Path, o: dict[str, Any]) -> dict[str, Any]:
+    """`edgekv serve` killed with SIGKILL `kills` times while 8 clients stream (see the module
+    doc): at a uniform random moment 0-3 s after the running process's first correct answer,
+    then started again at once with the same command."""
+    prompts = fault_prompts(o["requests"], o["seed"])
+    texts = cold_texts(prompts, o)
+    cache = new_cache_dir(work / "cache")
+    store_dir = cache / "store"
+    errf = (work / "serve.stderr").open("wb")
+    server, url = _start(_serve_cmd(cache, o, 0), cache, errf)
+    cmd = _serve_cmd(cache, o, int(url.rsplit(":", 1)[1]))  # restarts reuse the port
+    streams = _Streams(url, _wait_healthy(url, server), prompts, texts, o)
+    for t in streams.threads:
+        t.start()
+    rng = random.Random(o["seed"])
+    seen: set[str] = set()
+    each: list[dict[str, float | None]] = []
+    started = time.time()
+    try:
+        for _ in range(int(o["kills"])):
+            if streams.first_answer(started, cached=False, wait_s=RECOVERY_WAIT_S) is None:
+                raise HarnessError("no correct answer from the running server within "
+                                   f"{RECOVERY_WAIT_S:g} s")
+            time.sleep(rng.uniform(0.0, 3.0))
+            seen.update(fragment_files(store_dir))
+            killed = time.time()
+            server.send_signal(signal.SIGKILL)
+            _stop(server)
+            server, _ = _start(cmd, cache, errf)
+            listen = time.time()
+            _wait_healthy(url, server, poll_s=0.05)
+            healthy = time.time()
+            answer = streams.first_answer(killed, cached=True, wait_s=RECOVERY_WAIT_S)
+            each.append({"listen_s": round(listen - killed, 3),
+                         "health_s": round(healthy - killed, 3),
+                         "answer_s": None if answer is None else round(answer - killed, 3)})
+            started = listen
+        time.sleep(2.0)  # the last restart serves a while before the counts are taken
+    finally:
+        streams.stop.set()
+        for t in streams.threads:
+            t.join(streams.read_s + 15.0)
+        seen.update(fragment_files(store_dir))
+        alive = server.poll() is None
+        _stop(server)
+        errf.close()
+    Watched.check(streams.threads)
+    if any(t.is_alive() for t in streams.threads):
+        raise HarnessError("a client thread never returned")
+    return _kill_row(streams, each, seen, store_dir, alive)
+
+
+def _kill_row(streams: _Streams, each: list[dict[str, float | None]], seen: set[str],
+              store_dir: Path, alive: bool) -> dict[str, Any]:
+    answered = len(streams.done)
+    wrong = sum(not right for _s, _e, right, _c in streams.done)
+    lost = streams.errors["timeout"] + len(streams.unexpected)
+    recov = [r["answer_s"] for r in each]
+    ok = [r for r in each if r["answer_s"] is not None]
+    worst = max(ok, key=lambda r: r["answer_s"] or 0.0) if ok else None
+    return make_row(
+        "serve_kill_under_load", runs=len(each), requests=answered + sum(streams.errors.values()),
+        wrong_outputs=wrong, lost_requests=lost,
+        lost_entries=len(seen - readable_entries(store_dir, seen)), recovery_s=recov,
+        how=f"`edgekv serve` (its defaults) while {CLIENTS} loopback clients stream; SIGKILL "
+        f"at a uniform random moment 0-3 s after the running process's first correct answer, "
+        f"{len(each)} times, each followed at once by the same command on the same port and "
+        "cache directory; recovery: the kill to the first correct answer sent after it that "
+        "reused the cache",
+        answered=answered, client_errors=dict(streams.errors), unexpected=streams.unexpected[:10],
+        cached_answers=sum(c > 0 for _s, _e, _r, c in streams.done),
+        recovery_parts_s=each,
+        listen_s_median=_median([r["listen_s"] for r in each]),
+        health_s_median=_median([r["health_s"] for r in each]),
+        worst=worst, acked_entries=len(seen), server_alive_at_end=alive,
+        notes="client errors are what a client saw while the server was down or loading "
+        "(refused, cut mid-stream, 503); lost requests: none of those and no answer (a hang)")
+
+
+def _median(xs: list[float | None]) -> float | None:
+    v = [x for x in xs if x is not None]
+    return round(statistics.median(v), 3) if v else None

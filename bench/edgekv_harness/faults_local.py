@@ -479,6 +479,7 @@ FAULTS: dict[str, Fault] = {
     "privacy_at_rest": privacy,
 }
 with contextlib.suppress(ImportError):
-    from .faults_load import load_fault
+    from .faults_load import load_fault, serve_kill
 
     FAULTS["serve_load"] = load_fault
+    FAULTS["serve_kill_under_load"] = serve_kill

@@ -324,3 +324,21 @@ def test_real_ram_pressure_and_privacy_through_the_cli(tmp_path):
     assert priv["cache_dir_mode"] == "700" and not priv["loose_store_modes"], priv
     assert priv["prompt_text_in_logs"] == 0, priv
     assert "ram_tier_pressure" in text
+
+
+def test_real_serve_killed_under_load_recovers_from_its_disk_tier(tmp_path):
+    """`edgekv serve` killed with SIGKILL twice while 8 clients stream, and started again at
+    once: every request ends in a correct answer or an error its client saw (the kill cuts
+    streams in flight), nothing stored is lost, and each restart serves a correct answer that
+    reused the cache, after its socket listened and its /health said 200."""
+    from edgekv_harness.faults_local import FAULTS
+
+    row = FAULTS["serve_kill_under_load"](tmp_path, dict(OPTS, kills=2))
+    _clean(row)
+    assert row["runs"] == 2 and row["not_recovered"] == 0, row
+    assert not row["unexpected"] and row["client_errors"].get("timeout", 0) == 0, row
+    assert sum(row["client_errors"].values()) > 0, row
+    assert row["answered"] > 0 and row["cached_answers"] > 0 and row["acked_entries"] > 0, row
+    for part in row["recovery_parts_s"]:
+        assert 0 < part["listen_s"] <= part["health_s"] <= part["answer_s"], row
+    assert row["recovery_s_max"] >= row["recovery_s"] > 0, row

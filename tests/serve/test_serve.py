@@ -375,6 +375,7 @@ def test_health_is_503_until_the_model_is_loaded(kv):
         assert r.status_code == 503 and r.json()["status"] == "loading"
         r = post(url, CHAT, chat_body())
         assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading"
+        assert r.headers["retry-after"] == "1"  # what a client (the openai SDK) waits
         assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "fake-model"
         release.set()
         wait_for(lambda: httpx.get(f"{url}/health").status_code == 200, what="loaded")
@@ -389,6 +390,7 @@ def test_a_failed_load_is_reported(tmp_path):
         wait_for(lambda: httpx.get(f"{url}/health").json()["status"] == "failed", what="fail")
         r = post(url, CHAT, chat_body())
         assert r.status_code == 503 and "no such engine" in r.json()["error"]["message"]
+        assert "retry-after" not in r.headers  # a retry would fail the same way
 
 
 def test_the_openai_client_speaks_to_it(url):

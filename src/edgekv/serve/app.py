@@ -355,7 +355,9 @@ class _Server:
                            if err else "the model is still loading; retry when GET /health "
                            "answers 200", type="server_error",
                            code="model_load_failed" if err else "model_loading",
-                           headers={"Retry-After": "2"})
+                           # a load on the edge takes about a second (a restart reuses the
+                           # recorded probe); a failed one is not worth a retry here
+                           headers={} if err else {"Retry-After": "1"})
         return self.served
 
     async def _run(self, request: Request, served: ServedModel,
