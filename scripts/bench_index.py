@@ -51,8 +51,8 @@ CONDITIONS = {
                               " gsp, multiround, chat, docs; edgekv = `--parallel 4`), on AMD "
                               "EPYC Zen 4",
     "serve-prefill-split.json": "another condition: the step budget against "
-                                "`--step-budget-ms 0` (docs, 4 and 8 clients), the sitting of "
-                                "serve-concurrency.json",
+                                "`--step-budget-ms 0` and stock llama-server (docs, 4 and 8 "
+                                "clients), a sitting of its own",
     "kernels.json": "the AVX2-only machine kind (AMD EPYC without AVX512); reduced: 3 rounds, "
                     "every weight type and build",
     "kernels-zen4.json": "another machine kind: AMD EPYC Zen 4, 7 interleaved rounds",
