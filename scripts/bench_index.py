@@ -69,6 +69,7 @@ CONDITIONS = {
                              "CI's `make arm-check`",
     "faults.json": "reduced: 3 kills, 10 s windows",
     "faults-full-50kills.json": "full size: 50 kills (before the current accounting)",
+    "faults-kill20.json": "serve_kill_under_load only: 20 kills while 8 clients stream",
     "reuse-onnx.json": "another engine: ONNX Runtime",
     "evict-before.json": "before the candidate heap (the pair of evict.json)",
     "gemma/reuse-smollm2.json": "SmolLM2 beside the Gemma 3 run",
