@@ -40,7 +40,7 @@ from pathlib import Path
 from edgekv.errors import EdgeKVError
 
 __all__ = ["CI_STANDINS", "LADDER", "SHAPES", "WEIGHT_TYPES", "Shape", "ensure_model",
-           "is_synthetic", "model_params", "quantize", "write_synthetic"]
+           "is_synthetic", "model_params", "quantize", "tensor_set", "write_synthetic"]
 
 # weight type (the name's suffix) -> llama_ftype (llama.h: LLAMA_FTYPE_MOSTLY_*)
 WEIGHT_TYPES = {"f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q3_k_m": 12, "q4_k_m": 15,
@@ -167,6 +167,25 @@ def _dims(shape: Shape, arch_kv: dict[str, int]) -> dict[int, int]:
             arch_kv["attention.head_count_kv"] * head: n_kv * head}
 
 
+def tensor_set(template: Sequence[tuple[str, list[int]]], layers: int,
+               dims: dict[int, int]) -> list[tuple[str, list[int]]]:
+    """The tensors of a model of `layers` layers from its template's (name, ggml shape) list:
+    the template's tensors outside the blocks, and its first block's tensors for every one of
+    the `layers` blocks (a shape may have more layers than its template: SmolLM2 360M's 32
+    against 135M's 30), each width mapped by `dims`; shapes in numpy order (rows first)."""
+    def np_shape(ne: list[int]) -> list[int]:
+        return list(reversed([dims.get(d, d) for d in ne]))
+
+    block = [(name.split(".", 2)[2], ne) for name, ne in template if name.startswith("blk.0.")]
+    out: list[tuple[str, list[int]]] = []
+    for name, ne in template:
+        if not name.startswith("blk."):
+            out.append((name, np_shape(ne)))
+        elif name.startswith("blk.0.") and name.split(".", 2)[2] == block[0][0]:
+            out += [(f"blk.{i}.{sub}", np_shape(bne)) for i in range(layers) for sub, bne in block]
+    return out
+
+
 def write_synthetic(shape: Shape, dst: Path, template: Path, seed: int = 0) -> None:
     """An F16 GGUF of `shape`: the template's metadata (architecture, tokenizer, chat template)
     with the shape's layer count and widths, its tensor set for that many layers, random
@@ -207,12 +226,8 @@ def write_synthetic(shape: Shape, dst: Path, template: Path, seed: int = 0) -> N
     writer.add_string("general.name", f"synthetic {shape.name} (random weights, {shape.published})")
     writer.add_string("edgekv.synthetic", shape.name)
     writer.add_uint32("general.file_type", WEIGHT_TYPES["f16"])
-    tensors = []
-    for t in reader.tensors:
-        if t.name.startswith("blk.") and int(t.name.split(".")[1]) >= shape.layers:
-            continue
-        ne = [dims.get(int(d), int(d)) for d in t.shape]
-        tensors.append((t.name, list(reversed(ne))))  # numpy order: rows first
+    tensors = tensor_set([(t.name, [int(d) for d in t.shape]) for t in reader.tensors],
+                         shape.layers, dims)
     for name, np_shape in tensors:
         dtype = np.float32 if len(np_shape) == 1 else np.float16
         writer.add_tensor_info(name, np_shape, np.dtype(dtype),

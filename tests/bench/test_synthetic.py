@@ -23,6 +23,26 @@ def test_model_names_parse_and_bad_ones_are_refused_with_the_choices():
     assert all(synthetic.is_synthetic(n) for n in synthetic.CI_STANDINS + synthetic.LADDER)
 
 
+def test_a_shape_with_more_layers_than_its_template_gets_every_block():
+    # SmolLM2 360M has 32 layers, its template (SmolLM2 135M) 30: blocks 30 and 31 are made from
+    # the template's first block, not left out (llama.cpp refused such a file: 'blk.30.attn_norm
+    # .weight' not found)
+    template = [("token_embd.weight", [576, 49152]), ("blk.0.attn_norm.weight", [576]),
+                ("blk.0.ffn_up.weight", [576, 1536]), ("blk.1.attn_norm.weight", [576]),
+                ("blk.1.ffn_up.weight", [576, 1536]), ("output_norm.weight", [576])]
+    dims = {576: 960, 1536: 2560}
+    got = synthetic.tensor_set(template, 3, dims)
+    assert [n for n, _ in got] == ["token_embd.weight",
+                                   *(f"blk.{i}.{t}" for i in range(3)
+                                     for t in ("attn_norm.weight", "ffn_up.weight")),
+                                   "output_norm.weight"]
+    assert dict(got)["blk.2.ffn_up.weight"] == [2560, 960]  # numpy order, widths mapped
+    assert dict(got)["token_embd.weight"] == [49152, 960]
+    assert [n for n, _ in synthetic.tensor_set(template, 1, {})] == [
+        "token_embd.weight", "blk.0.attn_norm.weight", "blk.0.ffn_up.weight",
+        "output_norm.weight"]
+
+
 def test_the_host_arch_comes_from_the_cpu_flags():
     assert emulated.host_arch("x86_64", frozenset({"avx2", "avx512f"})) == "x86_64-avx512"
     assert emulated.host_arch("x86_64", frozenset({"avx2"})) == "x86_64-avx2"
