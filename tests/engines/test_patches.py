@@ -111,3 +111,6 @@ def test_the_series_carries_the_decode_paths():
     assert "tiled_one_col<B, SUBBLK, HAS_MIN, BIAS>(" in text["0010"]
     # 0011: on ARM with FP16 arithmetic, F16 products take tinyBLAS below 8 columns too
     assert "if (n < 8 && !ggml_cpu_batch_invariant())" in text["0011"]
+    # 0012: IQ4_XS's one column from its blocks (the kernel check's IQ4_XS rows exercise it)
+    assert "static void tiled_iq4_xs_one_row(" in text["0012"]
+    assert "std::is_same<B, block_iq4_xs>::value) {" in text["0012"]
