@@ -39,6 +39,8 @@ COMMANDS = {
     "arm-probe": "scripts/arm_check.sh",
     "kernel-check-x86": "probe/edgekv_kernels --invariant 1 --threads 1,2 --json (probe/build.sh)",
     "kernel-check-x86-stock": "probe/edgekv_kernels --invariant 0 --threads 1,2 --json",
+    "kernel-check-x86-avx2": "probe/edgekv_kernels --invariant 1 --threads 1,2 --json "
+                             "(probe/build.sh)",
     "kernel-check-arm": "scripts/arm_check.sh kernels",
 }
 
@@ -53,8 +55,10 @@ CONDITIONS = {
     "serve-prefill-split.json": "another condition: the step budget against "
                                 "`--step-budget-ms 0` and stock llama-server (docs, 4 and 8 "
                                 "clients), a sitting of its own",
-    "kernels.json": "the AVX2-only machine kind (AMD EPYC without AVX512); reduced: 3 rounds, "
-                    "every weight type and build",
+    "kernels.json": "the AVX2-only machine kind (AMD EPYC without AVX512): SmolLM2 Q4_1, Q8_0, "
+                    "Q5_K_M, IQ4_XS and Gemma 3 Q4_K_M, 7 interleaved rounds, patches to 0012",
+    "kernels-ladder-avx2.json": "another condition: the ladder's 1B rung (synthetic Llama 3.2 1B "
+                                "shape, random weights, Q4_K_M), 1 round, on the AVX2-only kind",
     "kernels-zen4.json": "another machine kind: AMD EPYC Zen 4, 7 interleaved rounds",
     "kernels-avx512-types.json": "another condition: the weight types of issue 33 (SmolLM2 "
                                  "requantized to Q4_K_M, Q5_K_M, Q6_K, Q3_K_M, IQ4_XS, Q8_0), "
@@ -63,6 +67,8 @@ CONDITIONS = {
                         "exactness only; CI's `make arm-check`, edgekv rows (the stock rows "
                         "before the series: git, 130b4c3)",
     "kernel-check-x86.json": "the x86 run, EdgeKV's kernels (the switch on)",
+    "kernel-check-x86-avx2.json": "another machine kind: AMD EPYC with AVX2 only, EdgeKV's "
+                                  "kernels (the switch on), patches to 0012",
     "kernel-check-x86-stock.json": "another condition: the same build with the switch off "
                                    "(ggml's own kernels: what the check sees without the series)",
     "kernel-check-arm.json": "another machine kind: aarch64 under qemu-user, both levels, from "
