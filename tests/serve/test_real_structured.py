@@ -126,12 +126,12 @@ def test_json_object_and_the_sdk_parse_helper(clients):
 
     from pydantic import BaseModel, Field
 
-    # bounded (maxLength, maxItems: the grammar holds them), so that the answer fits its
-    # max_tokens whatever a machine's kernels make the 135M model say (3 items of at most 60
-    # characters and their keys stay under 300 tokens even at a token a character); unbounded,
-    # the AVX2 build's greedy answer ran past 150 tokens
+    # bounded (maximum, maxLength, maxItems: the grammar holds them), so that the answer fits
+    # its max_tokens whatever a machine's kernels make the 135M model say: 3 items of a
+    # two-digit number and at most 60 characters, with their keys, stay under 300 tokens even
+    # at a token a character; unbounded, the AVX2 build's greedy answer ran past 150 tokens
     class Step(BaseModel):
-        number: int
+        number: int = Field(ge=0, le=99)
         action: str = Field(max_length=60)
 
     class Steps(BaseModel):
