@@ -58,7 +58,7 @@ CONDITIONS = {
     "kernels.json": "the AVX2-only machine kind (AMD EPYC without AVX512): SmolLM2 Q4_1, Q8_0, "
                     "Q5_K_M, IQ4_XS and Gemma 3 Q4_K_M, 7 interleaved rounds, patches to 0012",
     "kernels-ladder-avx2.json": "another condition: the ladder's 1B rung (synthetic Llama 3.2 1B "
-                                "shape, random weights, Q4_K_M), 1 round, on the AVX2-only kind",
+                                "shape, random weights, Q4_K_M), 3 rounds, on the AVX2-only kind",
     "kernels-zen4.json": "another machine kind: AMD EPYC Zen 4, 7 interleaved rounds",
     "kernels-avx512-types.json": "another condition: the weight types of issue 33 (SmolLM2 "
                                  "requantized to Q4_K_M, Q5_K_M, Q6_K, Q3_K_M, IQ4_XS, Q8_0), "
