@@ -107,6 +107,19 @@ def _decode(lib: Any, ctx: Any, items: Sequence[BatchItem], n_vocab: int) -> lis
         lib.llama_batch_free(batch)
 
 
+def _read_state(lib: Any, ctx: Any, seq: int) -> ctypes.Array[ctypes.c_uint8]:
+    """Sequence `seq`'s state blob (`llama_state_seq_get_data`) in a new buffer. The buffer is
+    not zeroed first (numpy.empty, not a ctypes array's memset): a blob is tens of MB at a
+    few thousand tokens, and on a server's slots the copy holds the context every slot
+    decodes in, so its pages are touched once, by llama.cpp's copy."""
+    size = lib.llama_state_seq_get_size(ctx, seq)
+    buf = (ctypes.c_uint8 * size).from_buffer(np.empty(size, np.uint8))
+    written = lib.llama_state_seq_get_data(ctx, buf, size, seq)
+    if written != size:
+        raise EngineError(f"llama_state_seq_get_data wrote {written} of {size} bytes")
+    return buf
+
+
 class SequenceContext:
     """A second llama.cpp context over the adapter's model, for several sequences at once
     (`LlamaCppAdapter.sequence_context`); freed by `close` or on leaving a `with` block."""
@@ -121,15 +134,9 @@ class SequenceContext:
 
     def read_state(self, seq: int) -> ctypes.Array[ctypes.c_uint8]:
         """Sequence `seq`'s state blob (`llama_state_seq_get_data`), a copy."""
-        ctx = self._open()
-        size = self._lib.llama_state_seq_get_size(ctx, seq)
-        buf = (ctypes.c_uint8 * size)()
-        written = self._lib.llama_state_seq_get_data(ctx, buf, size, seq)
-        if written != size:
-            raise EngineError(f"llama_state_seq_get_data wrote {written} of {size} bytes")
-        return buf
+        return _read_state(self._lib, self._open(), seq)
 
-    def write_state(self, seq: int, blob: bytearray) -> None:
+    def write_state(self, seq: int, blob: bytearray | ctypes.Array[ctypes.c_uint8]) -> None:
         """Replace sequence `seq` with the blob's cells; if llama.cpp refuses it the sequence
         is left empty and EngineError raised."""
         ctx = self._open()
@@ -443,14 +450,7 @@ class LlamaCppAdapter(ShiftableKV, WindowedKV, ModelFile, Twinned):
         """The sequence's state blob. With sliding-window layers, the whole cache's (seq -1:
         the only sequence here is 0): per sequence, llama.cpp leaves out the local layers'
         cells outside the last window, which older chunks' fragments need."""
-        lib = self._lib
-        seq = -1 if self.window.swa_layers else 0
-        size = lib.llama_state_seq_get_size(self._ctx, seq)
-        buf = (ctypes.c_uint8 * size)()
-        written = lib.llama_state_seq_get_data(self._ctx, buf, size, seq)
-        if written != size:
-            raise EngineError(f"llama_state_seq_get_data wrote {written} of {size} bytes")
-        return buf
+        return _read_state(self._lib, self._ctx, -1 if self.window.swa_layers else 0)
 
     def read_state(self, buf: ctypes.Array[ctypes.c_uint8] | None = None) -> SeqState:
         """The engine's sequence as canonical keys/values (views into one copied blob: `buf`

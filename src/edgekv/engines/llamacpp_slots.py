@@ -54,6 +54,7 @@ How, and why it stays exact:
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import time
@@ -248,17 +249,18 @@ class SlotPool:
                 self._stepping.discard(seq)
                 self._cond.notify_all()
 
-    def blob(self, seq: int) -> bytearray:
-        """Sequence `seq`'s state blob, a copy."""
+    def blob(self, seq: int) -> ctypes.Array[ctypes.c_uint8]:
+        """Sequence `seq`'s state blob, a copy: the only copy made while the context is held
+        (the other slots' steps wait for it)."""
         with self._lock:
-            return bytearray(self._ctx.read_state(seq))
+            return self._ctx.read_state(seq)
 
     def state(self, seq: int) -> SeqState:
         fp = self.adapter.fingerprint
         return parse_seq_state(memoryview(self.blob(seq)), n_layer=fp.n_layer,
                                n_embd_k=fp.n_embd_k, n_embd_v=fp.n_embd_v)
 
-    def write(self, seq: int, blob: bytearray) -> None:
+    def write(self, seq: int, blob: bytearray | ctypes.Array[ctypes.c_uint8]) -> None:
         with self._lock:
             self._ctx.write_state(seq, blob)
 
