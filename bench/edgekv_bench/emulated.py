@@ -22,7 +22,7 @@ from typing import Any
 
 from edgekv.errors import EdgeKVError
 
-__all__ = ["ARCHES", "Arch", "host_arch", "probe_emulated", "run_emulated"]
+__all__ = ["ARCHES", "Arch", "emulated_cost", "host_arch", "probe_emulated", "run_emulated"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +96,13 @@ def run_emulated(jobs: Sequence[tuple[Arch, Path, bool, int]], *, root: Path = P
                  parallel: int | None = None,
                  progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """Each (arch, model, invariant, long tokens) probed under qemu, one thread each, as many
-    at once as there are cores (qemu-user runs a guest thread on a host thread)."""
+    at once as there are cores (qemu-user runs a guest thread on a host thread); the results
+    in the order of `jobs`.
+
+    The longest jobs start first (`emulated_cost`): started in the given order, the 2,040-token
+    schedules of the last arch's Gemma 3 stand-in (400 s of qemu) ran alone at the end while
+    the other core idled, 1,213 s for jobs that add up to 1,953 s of qemu on 2 cores
+    (docs/bench/kernels-arm.json)."""
     for arch in {j[0] for j in jobs}:
         probe_binary(arch, root)  # every binary is there before hours of emulation start
     done = 0
@@ -110,5 +116,17 @@ def run_emulated(jobs: Sequence[tuple[Arch, Path, bool, int]], *, root: Path = P
             progress(f"qemu {done}/{len(jobs)}: {arch.name} {model.name}")
         return r
 
+    order = sorted(range(len(jobs)), key=lambda i: -emulated_cost(jobs[i][1], jobs[i][3]))
     with ThreadPoolExecutor(max_workers=parallel or os.cpu_count() or 1) as pool:
-        return list(pool.map(one, jobs))
+        done_in_order = list(pool.map(one, [jobs[i] for i in order]))
+    results: list[dict[str, Any]] = [{} for _ in jobs]
+    for i, r in zip(order, done_in_order, strict=True):
+        results[i] = r
+    return results
+
+
+def emulated_cost(model: Path, long_tokens: int) -> float:
+    """What a probe job costs under qemu, for ordering only: the long schedules run about
+    seven times the tokens of the short ones, and a bigger file has more to compute."""
+    size = model.stat().st_size if model.is_file() else 0
+    return (1.0 + 7.0 * (long_tokens > 0)) * (1 + size / 2**20)

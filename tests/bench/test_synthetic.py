@@ -93,3 +93,23 @@ def test_a_ci_standin_is_the_packaged_architecture_with_two_layers_and_labelled(
     assert len(r.fields["tokenizer.ggml.tokens"].data) == 49152
     assert {int(t.name.split(".")[1]) for t in r.tensors if t.name.startswith("blk.")} == {0, 1}
     assert 30e6 < synthetic.model_params(path) < 50e6
+
+
+def test_emulated_jobs_start_longest_first_and_come_back_in_their_order(tmp_path, monkeypatch):
+    small, big = tmp_path / "small.gguf", tmp_path / "big.gguf"
+    small.write_bytes(b"x" * 10)
+    big.write_bytes(b"x" * (3 << 20))
+    arch = emulated.ARCHES["aarch64-dotprod"]
+    started = []
+
+    def probe(arch, model, *, invariant, long_tokens, root):
+        started.append((model.name, long_tokens))
+        return {"model": model.name, "long": long_tokens}
+
+    monkeypatch.setattr(emulated, "probe_binary", lambda arch, root: tmp_path)
+    monkeypatch.setattr(emulated, "probe_emulated", probe)
+    jobs = [(arch, small, True, 0), (arch, big, True, 0), (arch, small, True, 2040)]
+    got = emulated.run_emulated(jobs, root=tmp_path, parallel=1)
+    assert [(r["model"], r["long"]) for r in got] == [
+        ("small.gguf", 0), ("big.gguf", 0), ("small.gguf", 2040)]
+    assert started == [("small.gguf", 2040), ("big.gguf", 0), ("small.gguf", 0)]
