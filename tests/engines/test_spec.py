@@ -307,3 +307,20 @@ def test_edgekv_speculates_only_where_configured_and_allowed(tmp_path, monkeypat
     assert off.tokens == plain.tokens and off.drafted_tokens == 0
     with pytest.raises(ConfigError):
         CacheConfig(speculative="medusa")
+
+
+def test_the_ceiling_replay_counts_what_the_drafter_would_have_had_accepted():
+    from tests.scriptkit import load_script
+
+    vc = load_script("verify_cost")
+    cost = {n: 1.0 + 0.5 * (n - 1) for n in range(1, 12)}
+    prompt, answer = [1, 2, 3, 4, 5, 6, 7], [3, 4, 5, 9, 9]
+    cfg = SpecConfig(n_min=1)
+    # after the answer's first token (3) the drafter proposes the prompt's 4 5 6 ...: 4 5 accepted
+    oracle = vc.replay(prompt, answer, None, cost, cfg)
+    assert oracle["tokens"] == 5 and oracle["accepted"] == oracle["drafted"] == 2
+    fixed = vc.replay(prompt, answer, 3, cost, cfg)
+    assert fixed["drafted"] >= fixed["accepted"] == oracle["accepted"]
+    assert oracle["decode_steps"] <= fixed["decode_steps"]
+    plain = vc.replay(prompt, [8, 8], 3, cost, SpecConfig(n_min=2))  # nothing to match
+    assert plain == {"tokens": 2, "steps": 2, "decode_steps": 2.0, "drafted": 0, "accepted": 0}
