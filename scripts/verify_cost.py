@@ -86,8 +86,13 @@ def ceiling(a: LlamaCppAdapter, cost_rows: Sequence[dict[str, float]]) -> dict[s
     """The bench spec prompts' greedy answers replayed at every draft length (module doc)."""
     from edgekv.chat import render_chat
     from edgekv_bench.spec import loops
-    from edgekv_bench.spec_prompts import (CHAT_CONVERSATIONS, CHAT_SYSTEM, MAX_TOKENS,
-                                           WORKLOADS, single_turn_prompts)
+    from edgekv_bench.spec_prompts import (
+        CHAT_CONVERSATIONS,
+        CHAT_SYSTEM,
+        MAX_TOKENS,
+        WORKLOADS,
+        single_turn_prompts,
+    )
 
     config = SpecConfig()
     cost = {int(r["tokens"]): float(r["decode_steps"]) for r in cost_rows}
@@ -114,7 +119,7 @@ def ceiling(a: LlamaCppAdapter, cost_rows: Sequence[dict[str, float]]) -> dict[s
                     msgs.append(("assistant", a.detokenize(pairs[-1][1])))
         else:
             pairs = [answer(p.messages, MAX_TOKENS[w]) for p in single_turn_prompts(w)]
-        per_k = []
+        per_k: list[dict[str, Any]] = []
         for k in ks:
             runs = [replay(p, ans, k, cost, config) for p, ans in pairs]
             tot = {f: sum(r[f] for r in runs) for f in runs[0]}
