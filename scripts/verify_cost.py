@@ -1,10 +1,12 @@
 """What verifying drafts costs on EdgeKV's engine, and what n-gram drafts could buy at that cost.
 
 1. The cost: the time of one batch of n tokens after a 256-token prompt
-   (`LlamaCppAdapter.verify`, logits at every position) against one decode step, best of
-   `--runs`. Speculative decoding gains only where the tokens a batch emits (1 + the accepted
-   drafts) outnumber its cost in decode steps; `engines/spec.DraftPolicy` chooses the draft
-   length from these same measurements, made while serving.
+   (`LlamaCppAdapter.verify`, logits at every position) against one decode step: the median
+   of `--runs` rounds, each round timing every size once (interleaved, so a burst of load on
+   the shared machine moves one round, not one size's figure), the fastest round beside it.
+   Speculative decoding gains only where the tokens a batch emits (1 + the accepted drafts)
+   outnumber its cost in decode steps; `engines/spec.DraftPolicy` chooses the draft length
+   from these same measurements, made while serving.
 2. The ceiling (`--ceiling`): the greedy answers of `edgekv bench spec`'s fixed prompt sets
    (plain decoding, the library's own), replayed through EdgeKV's drafter
    (`spec.NGramDrafter`, the server's settings). At each step the drafter proposes what it would
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import platform
+import statistics
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -36,12 +39,12 @@ SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 16)
 
 
 def costs(a: LlamaCppAdapter, runs: int) -> list[dict[str, float]]:
-    """Best-of-`runs` seconds of a batch of each size in `SIZES`, in decode steps."""
+    """The median and the fastest of `runs` interleaved rounds, per batch size in `SIZES`,
+    in ms and in decode steps (the median's)."""
     toks = probe_tokens(a, 300)
-    rows = []
-    for n in SIZES:
-        best = float("inf")
-        for _ in range(runs):
+    times: dict[int, list[float]] = {n: [] for n in SIZES}
+    for _ in range(runs):
+        for n in SIZES:
             a.clear_kv_cache()
             a.prefill(toks[:256], align=a.n_ctx)
             t = time.perf_counter()
@@ -49,8 +52,9 @@ def costs(a: LlamaCppAdapter, runs: int) -> list[dict[str, float]]:
                 a.prefill(toks[256:257], align=1)
             else:
                 a.verify(toks[256 : 256 + n])
-            best = min(best, time.perf_counter() - t)
-        rows.append({"tokens": n, "ms": round(best * 1000, 3)})
+            times[n].append(time.perf_counter() - t)
+    rows = [{"tokens": n, "ms": round(statistics.median(ts) * 1000, 3),
+             "ms_min": round(min(ts) * 1000, 3)} for n, ts in times.items()]
     step = rows[0]["ms"]
     for r in rows:
         r["decode_steps"] = round(r["ms"] / step, 3)
@@ -141,7 +145,7 @@ def ceiling(a: LlamaCppAdapter, cost_rows: Sequence[dict[str, float]]) -> dict[s
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model")
-    ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--runs", type=int, default=9)
     ap.add_argument("--ceiling", action="store_true",
                     help="also replay bench spec's greedy answers through the drafter")
     ap.add_argument("--json", required=True)
