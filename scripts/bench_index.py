@@ -55,6 +55,11 @@ CONDITIONS = {
     "serve-prefill-split.json": "another condition: the step budget against "
                                 "`--step-budget-ms 0` and stock llama-server (docs, 4 and 8 "
                                 "clients), a sitting of its own",
+    "spec-verify-cost.json": "AMD EPYC (AVX512), before patches 0010-0012: what a "
+                             "verification batch costs",
+    "spec-verify-cost-avx2.json": "another machine kind: AMD EPYC with AVX2 only, patches to "
+                                  "0012; the costs and the drafter's ceiling on bench spec's "
+                                  "prompts (`--ceiling`)",
     "kernels.json": "the AVX2-only machine kind (AMD EPYC without AVX512): SmolLM2 Q4_1, Q8_0, "
                     "Q5_K_M, IQ4_XS and Gemma 3 Q4_K_M, 7 interleaved rounds, patches to 0012",
     "kernels-ladder-avx2.json": "another condition: the ladder's 1B rung (synthetic Llama 3.2 1B "
