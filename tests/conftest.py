@@ -16,6 +16,35 @@ from edgekv.engines.fake import FakeAdapter
 # own that ask for it: EDGEKV_FIRST_PROBE=short)
 os.environ.setdefault("EDGEKV_FIRST_PROBE", "full")
 
+_PROBE_RECORDS: list[Path] = []
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _probe_records(tmp_path_factory: pytest.TempPathFactory):
+    _PROBE_RECORDS.append(tmp_path_factory.mktemp("probe-records"))
+    yield
+    _PROBE_RECORDS.clear()
+
+
+def share_probes(cache_dir: Path) -> Path:
+    """`cache_dir`, its `probes` a link to one directory for the whole session: an engine
+    process a test starts (a kv-server, `edgekv generate`) whose subject is not the probe finds
+    the record an earlier one made under the same key (model, build, CPU, settings) and does
+    not probe again (30-70 s of each such start on 2 cores); so does one whose key this test
+    process probed already (its answers are recorded there too). The probe's own tests leave
+    their cache directories alone."""
+    from edgekv.engines import probe
+
+    shared = _PROBE_RECORDS[0]
+    for result in list(probe._memo.values()):
+        if not probe.probe_path(shared, result.key).exists():
+            probe.record(shared, result)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    link = cache_dir / "probes"
+    if not link.exists():
+        link.symlink_to(shared, target_is_directory=True)
+    return cache_dir
+
 
 def make_fragment(span: int = 64, n_layer: int = 4, width: int = 8, start: int = 0,
                   fingerprint: str = "fp", chain_key: str = "ck", seed: int = 0,

@@ -15,7 +15,7 @@ from edgekv import CacheConfig, EdgeKV, UnsupportedLayout, open_store
 from edgekv.engines.base import FragmentSpec
 from edgekv.engines.models import default_model_path
 
-from ..conftest import real_stack
+from ..conftest import real_stack, share_probes
 
 real_stack("real engine", "llama_cpp", check=default_model_path)
 
@@ -133,7 +133,7 @@ def _cli(tmp_path: Path, prompt: str) -> dict:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     out = subprocess.run(
         [sys.executable, "-m", "edgekv", "generate", "--json", "--max-tokens", "12",
-         "--cache-dir", str(tmp_path), prompt],
+         "--cache-dir", str(share_probes(tmp_path)), prompt],
         capture_output=True, text=True, env=env, timeout=300, check=True)
     return json.loads(out.stdout)
 

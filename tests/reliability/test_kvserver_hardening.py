@@ -37,7 +37,7 @@ from edgekv.stream.protocol import (
 )
 from tests.stream.loaderkit import Device
 
-from ..conftest import real_stack
+from ..conftest import real_stack, share_probes
 
 SECRET = b"h" * 32
 PROMPT = [2 + i % 250 for i in range(64 * 4)] + [7, 8, 9]  # 4 full chunks of 64 + a tail
@@ -683,7 +683,8 @@ def real_server(tmp_path_factory):
     log = open(tmp / "server.log", "w")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
         [sys.executable, "-m", "edgekv", "-v", "kv-server", "--port", "0", "--cache-dir",
-         str(tmp / "cache"), "--secret-file", str(tmp / "secret"), "--n-ctx", "1024"],
+         str(share_probes(tmp / "cache")), "--secret-file", str(tmp / "secret"),
+         "--n-ctx", "1024"],
         stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     line = proc.stdout.readline()  # type: ignore[union-attr]
     if "listening on" not in line:

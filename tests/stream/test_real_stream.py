@@ -21,7 +21,7 @@ from edgekv_bench.texts import MANUAL, SYSTEM_PROMPT
 from tests.stream.loaderkit import Device
 
 from .. import redis_kit
-from ..conftest import real_stack
+from ..conftest import real_stack, share_probes
 from ..redis_kit import need_redis
 from .streamkit import TamperProxy
 
@@ -35,7 +35,7 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 
 
 def start_server(tmp: Path, *extra: str) -> tuple[subprocess.Popen, str]:
-    tmp.mkdir(parents=True, exist_ok=True)
+    share_probes(tmp)
     log = open(tmp / "server.log", "w")  # noqa: SIM115 - closed by stop()
     proc = subprocess.Popen(
         [sys.executable, "-m", "edgekv", "kv-server", "--port", "0", "--cache-dir", str(tmp),
