@@ -166,9 +166,12 @@ $(PATCHED_WHEELS)/.built: $(PATCHED_ROOT)/.edgekv-patches scripts/cpu_flags.py |
 	@echo "building EdgeKV's llama-cpp-python $(LLAMA_VERSION) (patches/llama.cpp) for this CPU; about 5-10 minutes on 2 cores"
 	rm -rf $(PATCHED_WHEELS) && mkdir -p $(PATCHED_WHEELS)
 	@# --no-cache-dir: pip's wheel cache is keyed by the sdist, not by CMAKE_ARGS, so a cached
-	@# wheel may carry another CPU's instructions
-	CMAKE_ARGS="$(PATCHED_CMAKE_ARGS)" nice -n 10 $(BIN)/python -m pip wheel -q --no-deps \
-		--no-cache-dir -C build-dir=$(CURDIR)/$(PATCHED_WHEELS)/cmake -w $(PATCHED_WHEELS) $(PATCHED_ROOT)
+	@# wheel may carry another CPU's instructions. LLAVA_BUILD=OFF: EdgeKV loads libllama and
+	@# ggml only; llama-cpp-python's multimodal library (mtmd, which its vision chat handlers
+	@# import lazily) took 239 of the build's 1,285 CPU seconds (its ninja log, AVX2 EPYC)
+	CMAKE_ARGS="$(PATCHED_CMAKE_ARGS) -DLLAVA_BUILD=OFF" nice -n 10 $(BIN)/python -m pip wheel \
+		-q --no-deps --no-cache-dir -C build-dir=$(CURDIR)/$(PATCHED_WHEELS)/cmake \
+		-w $(PATCHED_WHEELS) $(PATCHED_ROOT)
 	echo "$(PATCHED_SIG)" > $@
 
 patched-lib: $(PATCHED_LIB)/libllama.so
