@@ -95,3 +95,21 @@ def test_partial_reuse_is_token_verified_but_not_claimed_exact(adapter, embedder
     # different batch shapes: equal or very close, never claimed identical
     assert float(np.max(np.abs(warm.first_logits - cold.first_logits))) < 0.5
     kv.close()
+
+
+def test_a_model_loads_after_the_vector_index_is_made():
+    """usearch's extension links libstdc++ statically: made before a llama.cpp model was
+    loaded, every model load after it failed on its vocabulary (`std::bad_cast`). A fresh
+    process, as a program that opens its router first would be."""
+    import subprocess
+    import sys
+
+    code = ("from edgekv.semantic import VectorIndex\n"
+            "VectorIndex(8)\n"
+            "from edgekv.engines.llamacpp import LlamaCppAdapter\n"
+            "a = LlamaCppAdapter(n_ctx=256)\n"
+            "print(len(a.tokenize('Paris is the capital')))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert int(r.stdout.split()[-1]) > 0

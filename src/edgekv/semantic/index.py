@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -32,6 +33,26 @@ log = logging.getLogger(__name__)
 def _native(vector: np.ndarray) -> np.ndarray:
     """A 1-d native-order float32 copy (usearch rejects explicitly little-endian buffers)."""
     return np.frombuffer(np.asarray(vector, dtype=np.float32).tobytes(), dtype=np.float32)
+
+
+@functools.cache
+def _share_libstdcxx() -> None:
+    """Load the system's libstdc++ into the global symbol scope before usearch. usearch's
+    extension carries a static libstdc++ whose template statics (GNU unique symbols, as the
+    locale facets' ids) bind process-wide: imported first, every llama.cpp model loaded
+    afterwards in the process failed (`error loading model vocabulary: std::bad_cast`),
+    while models loaded before it were fine (tests/semantic/test_real_semantic.py). With
+    the system's library loaded globally first, both share its symbols."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("stdc++")
+    if name is None or not hasattr(ctypes, "RTLD_GLOBAL"):
+        return
+    try:
+        ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
+    except OSError as e:  # not this platform's library: usearch is still usable
+        log.debug("libstdc++ not loaded globally (%s)", e)
 
 
 def _label(key: str) -> int:
@@ -56,6 +77,7 @@ class VectorIndex:
             self.rebuild(rebuild_from())
 
     def _new(self) -> Any:
+        _share_libstdcxx()
         from usearch.index import Index
 
         return Index(**self._params)
