@@ -10,7 +10,9 @@ Servers, each a real process on loopback with the same model file, threads and c
 - `edgekv`: `edgekv serve --parallel N` (N: `--parallel`, default 4, llama-server's slots),
   with `edgekv_nocache` (`--no-cache`) at the same N; `edgekv_p1` / `edgekv_nocache_p1`:
   one request at a time; `edgekv_budget_off`: `--step-budget-ms 0`, prefill in pieces of 512
-  tokens beside running generations, the planner before stall-free prefill (on request).
+  tokens beside running generations, the planner before stall-free prefill (on request);
+  `edgekv_write_through`: `--no-write-behind`, each answer's disk writes on its slot's thread
+  (before the writer thread, on request).
 
 The workloads are `concurrent_workload`'s (chat, docs, gsp, multiround), every prompt rendered
 with the model's chat template before any server starts, so that every server answers the
@@ -69,10 +71,12 @@ SERVERS: dict[str, tuple[str, bool, str, str | None]] = {
     "edgekv_p1": ("edgekv", True, "edgekv_nocache_p1", "1"),
     "edgekv_nocache_p1": ("edgekv", False, "edgekv_nocache_p1", "1"),
     "edgekv_budget_off": ("edgekv", True, "edgekv_nocache", "N"),
+    "edgekv_write_through": ("edgekv", True, "edgekv_nocache", "N"),
 }
 ALIASES = {"edgekv_parallel": "edgekv", "edgekv_nocache_parallel": "edgekv_nocache"}  # older
 DEFAULT_SERVERS = ("llama_server", "edgekv")  # with their cache-off runs
-COMPARED = ("edgekv", "edgekv_p1", "edgekv_budget_off")  # each against llama_server
+COMPARED = ("edgekv", "edgekv_p1", "edgekv_budget_off",  # each against llama_server
+            "edgekv_write_through")
 DEFAULT_REQUESTS = 16
 DEFAULT_PARALLEL = 4  # llama-server's default slots, and `edgekv serve`'s
 KNEE_GOODPUT = 0.9  # the knee: goodput under this share of the rate the run achieved
@@ -235,6 +239,8 @@ class Setup:
             cmd += ["--max-queue", str(self.max_queue)]
         if name == "edgekv_budget_off":
             cmd += ["--step-budget-ms", "0"]
+        if name == "edgekv_write_through":
+            cmd += ["--no-write-behind"]
         return (cmd if cache else cmd + ["--no-cache"]), "/health"
 
 

@@ -365,10 +365,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
                         ui=not args.no_ui)  # keys first
     model = resolve_model(args.model)  # a bad --model fails now, not after the socket is up
     cfg = _config(args)
-    if args.passage_reuse:
-        import dataclasses
+    import dataclasses
 
+    if args.passage_reuse:
         cfg = dataclasses.replace(cfg, passage_reuse=True)
+    if args.write_behind is not None or "EDGEKV_WRITE_BEHIND" not in os.environ:
+        cfg = dataclasses.replace(cfg, write_behind=args.write_behind is not False)
 
     def announce(url: str) -> None:
         page = "" if args.no_ui else f"the page at {url}/, "
@@ -605,6 +607,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "tokens may take; a prompt's prefill beside them is cut into pieces "
                     "that fit, sized from the measured step cost, so no stream stalls "
                     "(default 100; 0: pieces of 512 tokens, as llama-server's n_batch)")
+    sv.add_argument("--write-behind", action=argparse.BooleanOptionalAction, default=None,
+                    help="write the answers' KV to the disk (or --store) tier on a thread of "
+                    "its own, at a lower priority, after it is in RAM: the slot goes on at "
+                    "once, and reads find it in RAM or the queue meanwhile; a kill loses "
+                    "what is queued (recomputed when asked again). Default: on, or "
+                    "EDGEKV_WRITE_BEHIND where set")
     r = sv.add_argument_group("reuse beyond exact prefixes (each labelled in the response's "
                               "edgekv object)")
     r.add_argument("--semantic", action="store_true",

@@ -93,6 +93,14 @@ class CacheConfig:
     # decoding stays plain, and says why). "none": one token a step. Default "none": see
     # `edgekv bench spec` (docs/bench/spec.md) for where it wins and where it loses.
     speculative: str = "none"
+    # The tier behind RAM (disk, Redis) written by a thread of its own after a request has
+    # stored its KV in RAM (`store.behind.WriteBehind`): the request goes on at once, and
+    # the fragments are read from RAM (or the queue) until written. A process killed before
+    # the queue drains loses those writes (a cache: the next request recomputes them).
+    # Off here (a store that returns has written); `edgekv serve` turns it on (its
+    # --write-behind, default on unless EDGEKV_WRITE_BEHIND is set), where the writes
+    # otherwise ran on a slot's thread beside the other slots' decoding.
+    write_behind: bool = False
     cache_dir: Path = field(default_factory=default_cache_dir)
 
     def __post_init__(self) -> None:

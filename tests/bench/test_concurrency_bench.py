@@ -174,6 +174,8 @@ def test_edgekv_runs_at_one_and_n_sequences_each_with_its_own_cache_off():
     assert SERVERS["edgekv"][2] == "edgekv_nocache"
     off = SETUP.command("edgekv_budget_off", Path("/w/x"))[0]  # before stall-free prefill
     assert off == [*SETUP.command("edgekv", Path("/w/x"))[0], "--step-budget-ms", "0"]
+    through = SETUP.command("edgekv_write_through", Path("/w/x"))[0]  # before the writer
+    assert through == [*SETUP.command("edgekv", Path("/w/x"))[0], "--no-write-behind"]
     many = command("edgekv_p1", Setup("m.gguf", 8192, 2, 32, None, max_queue=32))
     assert many[many.index("--max-queue") + 1] == "32"
 

@@ -437,6 +437,27 @@ def test_cli_serve_reports_a_port_in_use(tmp_path, capsys):
     assert code == 2 and "cannot listen" in err and "--port" in err
 
 
+@pytest.mark.parametrize(("argv", "env", "on"), [
+    ([], None, True), (["--no-write-behind"], None, False), ([], "0", False),
+    (["--write-behind"], "0", True)])
+def test_serve_writes_the_disk_tier_behind_unless_told_not_to(tmp_path, monkeypatch, argv, env,
+                                                             on):
+    import edgekv.serve as serve_pkg
+
+    seen = {}
+    monkeypatch.setattr(serve_pkg, "load_edgekv",
+                        lambda model, cfg, **k: seen.setdefault("cfg", cfg))
+    monkeypatch.setattr(serve_pkg, "run", lambda load, **k: (load(), 0)[1])
+    if env is None:
+        monkeypatch.delenv("EDGEKV_WRITE_BEHIND", raising=False)
+    else:
+        monkeypatch.setenv("EDGEKV_WRITE_BEHIND", env)
+    model = tmp_path / "tiny.gguf"
+    model.write_bytes(b"GGUF" + bytes(60))
+    assert main(["serve", "--model", str(model), "--cache-dir", str(tmp_path), *argv]) == 0
+    assert seen["cfg"].write_behind is on
+
+
 def test_a_damaged_store_entry_is_a_counted_miss_not_an_error(url, kv, tmp_path):
     post(url, CHAT, chat_body())
     files = sorted((tmp_path / "store").rglob("*.ekv"))

@@ -166,10 +166,14 @@ class _StoreCollector(Collector):
                                     labels=["tier"])
         evictions = CounterMetricFamily("edgekv_store_evictions", "Fragments evicted for "
                                         "capacity, by tier", labels=["tier"])
+        queued = GaugeMetricFamily("edgekv_store_queued_bytes", "Bytes accepted by a tier "
+                                   "written behind (serve's --write-behind), not yet written",
+                                   labels=["tier"])
         for s in tiers:
             size.add_metric([s.tier], s.bytes)
             entries.add_metric([s.tier], s.entries)
             evictions.add_metric([s.tier], s.evictions)
+            queued.add_metric([s.tier], s.queued_bytes)
         faults = CounterMetricFamily(
             "edgekv_faults", "Faults met and survived: corrupt_entry = stored entries that "
             "failed verification (read as misses); refused_injection = requests where a "
@@ -179,7 +183,7 @@ class _StoreCollector(Collector):
         faults.add_metric(["corrupt_entry"], sum(s.corrupt for s in tiers))
         faults.add_metric(["store_error"], sum(s.errors for s in tiers))
         faults.add_metric(["refused_injection"], self._refused())
-        yield from (size, entries, evictions, faults)
+        yield from (size, entries, evictions, queued, faults)
 
     def describe(self) -> Iterator[Metric]:
         return iter(())  # families are only known at scrape time; nothing to pre-register

@@ -32,7 +32,13 @@ def open_store_url(url: str, capacity_bytes: int) -> FragmentStore:
 
 def open_store(config: CacheConfig, url: str | None = None) -> TieredStore:
     """The default two tiers: RAM (LRU) in front of the embedded disk store, or of the store
-    at `url` (`open_store_url`: PATH, file://PATH, redis://..., shared between processes)."""
-    behind = (DiskStore(config.cache_dir / "store", config.disk_capacity_bytes) if url is None
-              else open_store_url(url, config.disk_capacity_bytes))
+    at `url` (`open_store_url`: PATH, file://PATH, redis://..., shared between processes);
+    with `config.write_behind`, that one written by a thread of its own (`WriteBehind`)."""
+    behind: FragmentStore = (
+        DiskStore(config.cache_dir / "store", config.disk_capacity_bytes) if url is None
+        else open_store_url(url, config.disk_capacity_bytes))
+    if config.write_behind:
+        from .behind import WriteBehind
+
+        behind = WriteBehind(behind)
     return TieredStore(MemoryStore(config.ram_capacity_bytes), behind)

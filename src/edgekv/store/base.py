@@ -44,6 +44,9 @@ class StoreStats:
     # calls that failed in the backend (a server down, a full Redis, an I/O error): each was
     # a miss or an unstored fragment, the request computed locally; logged once per outage
     errors: int = 0
+    # a tier written behind (`behind.WriteBehind`): fragments accepted, not yet written
+    queued: int = 0
+    queued_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
