@@ -21,7 +21,8 @@ import numpy as np
 from .errors import CorruptEntry, FragmentError
 from .fragment import KVFragment
 
-__all__ = ["FORMAT_VERSION", "decode_fragment", "encode_fragment", "pack", "peek_header", "unpack"]
+__all__ = ["FORMAT_VERSION", "decode_fragment", "encode_fragment", "encode_fragment_parts", "pack",
+           "pack_parts", "peek_header", "unpack"]
 
 MAGIC = b"EKVF"
 FORMAT_VERSION = 2
@@ -44,21 +45,33 @@ _ARRAY_DTYPES = {"token_ids": ("i4",), "keys": ("f2", "f4"), "values": ("f2", "f
 
 def pack(header: dict[str, object], arrays: dict[str, np.ndarray | None]) -> bytes:
     """Header (JSON) + little-endian arrays + SHA-256 trailer."""
-    parts: list[bytes] = []
+    return b"".join(pack_parts(header, arrays))
+
+
+def pack_parts(header: dict[str, object],
+               arrays: dict[str, np.ndarray | None]) -> list[bytes | memoryview]:
+    """`pack`'s bytes in pieces, the arrays' own memory where it is contiguous and
+    little-endian already: written one after another (`DiskStore`), they need no copy of
+    the tensors in one buffer, and hashing them releases the GIL."""
+    parts: list[bytes | memoryview] = []
     offset = 0
     tensors: dict[str, object] = {}
     for name, arr in arrays.items():
         if arr is None:
             continue
         arr = np.ascontiguousarray(arr)
-        data = arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
+        data = np.ascontiguousarray(arr.astype(arr.dtype.newbyteorder("<"), copy=False))
         tensors[name] = {"dtype": arr.dtype.str.lstrip("<>|="), "shape": list(arr.shape),
-                         "offset": offset, "nbytes": len(data)}
-        parts.append(data)
-        offset += len(data)
+                         "offset": offset, "nbytes": data.nbytes}
+        parts.append(memoryview(data).cast("B"))
+        offset += data.nbytes
     head = json.dumps({**header, "tensors": tensors}, sort_keys=True).encode()
-    body = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(head)) + head + b"".join(parts)
-    return body + hashlib.sha256(body).digest()
+    parts.insert(0, _PREFIX.pack(MAGIC, FORMAT_VERSION, len(head)) + head)
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part)
+    parts.append(digest.digest())
+    return parts
 
 
 def _is_int(v: object) -> bool:
@@ -91,8 +104,13 @@ def unpack(blob: bytes | memoryview) -> tuple[dict[str, object], dict[str, np.nd
 
 
 def encode_fragment(frag: KVFragment) -> bytes:
-    return pack({name: getattr(frag, name) for name in _SCALARS},
-                {name: getattr(frag, name) for name in _ARRAYS})
+    return b"".join(encode_fragment_parts(frag))
+
+
+def encode_fragment_parts(frag: KVFragment) -> list[bytes | memoryview]:
+    """`encode_fragment` in pieces (`pack_parts`)."""
+    return pack_parts({name: getattr(frag, name) for name in _SCALARS},
+                      {name: getattr(frag, name) for name in _ARRAYS})
 
 
 def _is_text(v: str) -> bool:

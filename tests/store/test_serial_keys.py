@@ -3,7 +3,7 @@ import pytest
 
 from edgekv import CorruptEntry
 from edgekv.keys import ModelFingerprint, chain_of, chunk_keys, store_key
-from edgekv.serial import decode_fragment, encode_fragment
+from edgekv.serial import decode_fragment, encode_fragment, pack, unpack
 
 
 def test_round_trip_is_exact(fragment_factory):
@@ -12,6 +12,17 @@ def test_round_trip_is_exact(fragment_factory):
     for name in ("keys", "values", "token_ids", "embedding"):
         assert np.array_equal(getattr(f, name), getattr(g, name))
     assert (g.chain_key, g.hit_count, g.content_hash) == (f.chain_key, 3, f.content_hash)
+
+
+def test_arrays_pack_by_their_values_whatever_their_layout_or_byte_order():
+    """The tensors are written from their own memory where it is contiguous little-endian
+    (`pack_parts`), converted where not: the same bytes either way."""
+    a = np.arange(48, dtype=np.float32).reshape(4, 12)
+    blob = pack({"x": 1}, {"a": a[:, ::2].copy(), "b": np.arange(5, dtype="<i4")})
+    assert pack({"x": 1}, {"a": a[:, ::2], "b": np.arange(5, dtype=">i4")}) == blob
+    header, arrays = unpack(blob)
+    assert header["x"] == 1 and np.array_equal(arrays["a"], a[:, ::2])
+    assert arrays["b"].tolist() == [0, 1, 2, 3, 4]
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "empty", "magic"])

@@ -32,7 +32,7 @@ import numpy as np
 
 from ..errors import CorruptEntry, StoreError
 from ..fragment import KVFragment
-from ..serial import decode_fragment, encode_fragment
+from ..serial import decode_fragment, encode_fragment_parts
 from .base import Entry, FragmentStore, Hit, StoreStats, check_key, decode_or_miss, live_or_miss
 
 __all__ = ["DiskStore", "make_private"]
@@ -147,9 +147,10 @@ class DiskStore(FragmentStore):
     def _write_file(self, key: str, fragment: KVFragment) -> int:
         """Write `key`'s file atomically; its size, or 0 if it is larger than the tier."""
         path = self._path(check_key(key))
-        blob = encode_fragment(fragment)
-        if len(blob) > self.capacity_bytes:
-            log.debug("fragment %s (%d B) exceeds disk capacity; not stored", key, len(blob))
+        parts = encode_fragment_parts(fragment)  # written in pieces: no copy in one buffer
+        size = sum(len(p) for p in parts)
+        if size > self.capacity_bytes:
+            log.debug("fragment %s (%d B) exceeds disk capacity; not stored", key, size)
             return 0
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
@@ -157,7 +158,8 @@ class DiskStore(FragmentStore):
                 path.parent.mkdir(mode=0o700, exist_ok=True)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with open(fd, "wb") as f:
-                f.write(blob)
+                for part in parts:
+                    f.write(part)
                 if self.durable:
                     f.flush()
                     os.fsync(f.fileno())
@@ -169,7 +171,7 @@ class DiskStore(FragmentStore):
                 pass
             self._fail("write", e)
             raise StoreError(f"cannot write {path}: {e}. Check free space and permissions.") from e
-        return len(blob)
+        return size
 
     def get_many(self, keys: Sequence[str], now: float | None = None, *,
                  prefix: bool = False) -> list[Hit | None]:
