@@ -160,6 +160,13 @@ patched-src: $(PATCHED_ROOT)/.edgekv-patches
 $(PATCHED_ROOT)/.edgekv-patches: $(LLAMA_SDIST) $(LLAMA_PATCHES) scripts/apply_patches.sh
 	rm -rf build/patched && mkdir -p build/patched
 	tar xzf $(LLAMA_SDIST) -C build/patched
+	@# llama.cpp's common library: the binding forces it on, builds it and ships none of it
+	@# (its wheel holds libllama and ggml only); 410 of the build's 865 CPU seconds (its ninja
+	@# log, AVX2 EPYC). Off, as the binding sets it for its Emscripten build.
+	grep -q '^    set(LLAMA_BUILD_COMMON ON CACHE BOOL "Build llama.cpp common library" FORCE)$$' \
+		$(PATCHED_ROOT)/CMakeLists.txt
+	sed -i 's/^    set(LLAMA_BUILD_COMMON ON CACHE BOOL "Build llama.cpp common library" FORCE)$$/    set(LLAMA_BUILD_COMMON OFF CACHE BOOL "Build llama.cpp common library" FORCE)/' \
+		$(PATCHED_ROOT)/CMakeLists.txt
 	sh scripts/apply_patches.sh $(PATCHED_ROOT) patches/llama.cpp
 
 $(PATCHED_WHEELS)/.built: $(PATCHED_ROOT)/.edgekv-patches scripts/cpu_flags.py | $(BIN)/python

@@ -63,7 +63,7 @@ def pack_parts(header: dict[str, object],
         data = np.ascontiguousarray(arr.astype(arr.dtype.newbyteorder("<"), copy=False))
         tensors[name] = {"dtype": arr.dtype.str.lstrip("<>|="), "shape": list(arr.shape),
                          "offset": offset, "nbytes": data.nbytes}
-        parts.append(memoryview(data).cast("B"))
+        parts.append(memoryview(data.data).cast("B"))
         offset += data.nbytes
     head = json.dumps({**header, "tensors": tensors}, sort_keys=True).encode()
     parts.insert(0, _PREFIX.pack(MAGIC, FORMAT_VERSION, len(head)) + head)
