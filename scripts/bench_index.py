@@ -53,8 +53,8 @@ CONDITIONS = {
                               " gsp, multiround, chat, docs; edgekv = `--parallel 4`), on AMD "
                               "EPYC Zen 4",
     "serve-concurrency-avx2.json": "another machine kind: AMD EPYC with AVX2 only, docs at 4 "
-                                   "and 8 clients, edgekv (`--parallel 4`, the step budget) and "
-                                   "its cache-off run only",
+                                   "and 8 clients, edgekv (`--parallel 4`, the step budget, "
+                                   "written behind), `--no-write-behind` and the cache-off run",
     "serve-prefill-split.json": "another condition: the step budget against "
                                 "`--step-budget-ms 0` and stock llama-server (docs, 4 and 8 "
                                 "clients), a sitting of its own",
