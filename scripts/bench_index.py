@@ -72,7 +72,8 @@ CONDITIONS = {
                                  "requantized to Q4_K_M, Q5_K_M, Q6_K, Q3_K_M, IQ4_XS, Q8_0), "
                                  "7 interleaved rounds, on AMD EPYC Zen 4 (AVX512-VNNI)",
     "kernels-arm.json": "another machine kind: aarch64 (dotprod, i8mm) under qemu-user, "
-                        "exactness only; CI's `make arm-check`, edgekv rows (the stock rows "
+                        "exactness only; CI's `make arm-check` (the CI stand-ins), edgekv rows, "
+                        "8 schedules; probe seconds with other jobs beside it (the stock rows "
                         "before the series: git, 130b4c3)",
     "kernel-check-x86.json": "the x86 run, EdgeKV's kernels (the switch on)",
     "kernel-check-x86-avx2.json": "another machine kind: AMD EPYC with AVX2 only, EdgeKV's "
