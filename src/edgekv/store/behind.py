@@ -106,6 +106,8 @@ class WriteBehind(FragmentStore):
                 raise StoreError(f"the {self.name} store is closed")
             self._cv.wait_for(lambda: self._pending_bytes <= self.max_pending_bytes
                               or self._closed)
+            if self._closed:  # closed while it waited: the writer may be gone
+                raise StoreError(f"the {self.name} store is closed")
             self._puts += 1
             for key, frag in items:
                 old = self._pending.get(key)
