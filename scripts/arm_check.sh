@@ -159,10 +159,12 @@ check() {
     "$PY" - "$json" <<'EOF'
 import json, sys
 rows = json.load(open(sys.argv[1]))["rows"]
-bad = [r for r in rows if r["build"] == "edgekv" and r["probe_identical"] != r["probe_total"]]
+bad = [r for r in rows if r["build"] == "edgekv"
+       and (r.get("error") or r["probe_identical"] != r["probe_total"])]
 for r in rows:
     print(f"{r['arch']:16} {r['model']:32} {r['build']:8} {r['probe_identical']}/{r['probe_total']}"
-          + (f"  failed: {', '.join(r['probe_failed'])}" if r["probe_failed"] else ""))
+          + (f"  failed: {', '.join(r['probe_failed'])}" if r["probe_failed"] else "")
+          + (f"  error: {r['error']}" if r.get("error") else ""))
 if not rows or bad:
     sys.exit(f"arm_check.sh: {len(bad)} edgekv row(s) not exact on ARM" if rows else "no rows")
 print(f"arm_check.sh: {len(rows)} rows, every edgekv schedule bit-identical under qemu")

@@ -86,6 +86,9 @@ def probe_emulated(arch: Arch, model: Path, *, invariant: bool, long_tokens: int
         except FileNotFoundError as e:
             raise EdgeKVError("qemu-aarch64 is missing: apt-get install qemu-user "
                               "(scripts/arm_check.sh tools)") from e
+        except subprocess.TimeoutExpired as e:
+            raise EdgeKVError(f"the probe on {arch.name} did not finish in {timeout:g} s of "
+                              "wall time (qemu shares the cores with whatever else runs)") from e
         if res.returncode != 0 or not out.exists():
             raise EdgeKVError(f"the probe on {arch.name} failed (exit {res.returncode}): "
                               f"{res.stderr[-600:]}")
@@ -97,7 +100,9 @@ def run_emulated(jobs: Sequence[tuple[Arch, Path, bool, int]], *, root: Path = P
                  progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """Each (arch, model, invariant, long tokens) probed under qemu, one thread each, as many
     at once as there are cores (qemu-user runs a guest thread on a host thread); the results
-    in the order of `jobs`.
+    in the order of `jobs`. A job that fails or runs out of time comes back as `{"error":
+    why}`: a Gemma 3 probe that timed out after hours of emulation once took the finished
+    SmolLM2 rows beside it down with it.
 
     The longest jobs start first (`emulated_cost`): started in the given order, the 2,040-token
     schedules of the last arch's Gemma 3 stand-in (400 s of qemu) ran alone at the end while
@@ -110,10 +115,15 @@ def run_emulated(jobs: Sequence[tuple[Arch, Path, bool, int]], *, root: Path = P
     def one(job: tuple[Arch, Path, bool, int]) -> dict[str, Any]:
         nonlocal done
         arch, model, invariant, long_tokens = job
-        r = probe_emulated(arch, model, invariant=invariant, long_tokens=long_tokens, root=root)
+        try:
+            r = probe_emulated(arch, model, invariant=invariant, long_tokens=long_tokens,
+                               root=root)
+        except EdgeKVError as e:  # this job's row says so; the others' results are kept
+            r = {"error": str(e)}
         done += 1
         if progress:
-            progress(f"qemu {done}/{len(jobs)}: {arch.name} {model.name}")
+            progress(f"qemu {done}/{len(jobs)}: {arch.name} {model.name}"
+                     + (f": {r['error']}" if "error" in r else ""))
         return r
 
     order = sorted(range(len(jobs)), key=lambda i: -emulated_cost(jobs[i][1], jobs[i][3]))

@@ -303,6 +303,9 @@ def _emulated_rows(models: Sequence[str], builds: Sequence[str],
                             for a, m, b in cells], root=root, progress=progress)
     rows = []
     for (a, m, b), r in zip(cells, results, strict=True):
+        if "error" in r:  # the probe did not finish: no verdict, and the row says why
+            r = {"results": [], "notes": [], "pending": [], "seconds": None,
+                 "flash_attn": None, **r}
         failed = [n for n, d, same in r["results"] if not (d == 0.0 and same)]
         rows.append({
             "model": m, "weights": paths[m][1], "build": b, "flash_attn": bool(r["flash_attn"]),
@@ -310,7 +313,8 @@ def _emulated_rows(models: Sequence[str], builds: Sequence[str],
             "probe_identical": len(r["results"]) - len(failed), "probe_total": len(r["results"]),
             "first_divergence_mean": None, "probe_failed": failed,
             "probe_results": r["results"], "probe_notes": r["notes"],
-            "probe_pending": r["pending"], "probe_seconds": round(r["seconds"], 1),
+            "probe_pending": r["pending"], "error": r.get("error"),
+            "probe_seconds": None if r["seconds"] is None else round(r["seconds"], 1),
             "speed_source": None, "runs": 0, "qemu_cpu": a.qemu_cpu, "march": a.march,
             "system_info": r.get("system_info"), "batch_invariant": r.get("batch_invariant"),
             "note": ("emulated (qemu-user): exactness only, no speed; probe seconds are qemu's"
@@ -370,6 +374,7 @@ def kernels_table(res: dict[str, Any]) -> str:
                      fmt(r["decode_tok_s"], r["decode_tok_s_spread"]),
                      fmt(r.get("decode_tok_s_after_2048"), r.get("decode_tok_s_after_2048_spread")),
                      lb,
+                     "did not finish" if r.get("error") else
                      f"{r['probe_identical']}/{r['probe_total']}"
                      + (" (+pending: " + ", ".join(r["probe_pending"]) + ")"
                         if r.get("probe_pending") else ""),

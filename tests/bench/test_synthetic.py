@@ -113,3 +113,34 @@ def test_emulated_jobs_start_longest_first_and_come_back_in_their_order(tmp_path
     assert [(r["model"], r["long"]) for r in got] == [
         ("small.gguf", 0), ("big.gguf", 0), ("small.gguf", 2040)]
     assert started == [("small.gguf", 2040), ("big.gguf", 0), ("small.gguf", 0)]
+
+
+def test_an_emulated_job_that_does_not_finish_is_a_row_that_says_so(tmp_path, monkeypatch):
+    """A probe that fails or runs out of time leaves its own row without a verdict and
+    its error; the other jobs' results are kept (`arm_check.sh check` fails on it)."""
+    from edgekv.errors import EdgeKVError
+
+    arch = emulated.ARCHES["aarch64-dotprod"]
+    ok, slow = tmp_path / "ok.gguf", tmp_path / "slow.gguf"
+    for p in (ok, slow):
+        p.write_bytes(b"x")
+
+    def probe(arch, model, *, invariant, long_tokens, root):
+        if model == slow:
+            raise EdgeKVError("the probe on aarch64-dotprod did not finish in 3600 s")
+        return {"results": [["a", 0.0, True], ["b", 0.0, True]], "notes": [], "pending": [],
+                "seconds": 1.0, "flash_attn": True}
+
+    monkeypatch.setattr(emulated, "probe_binary", lambda arch, root: tmp_path)
+    monkeypatch.setattr(emulated, "probe_emulated", probe)
+    from edgekv_bench import kernels
+
+    monkeypatch.setattr(kernels, "_model_keys", lambda name, path: {"params": None})
+    rows = kernels._emulated_rows(["ok", "slow"], ["edgekv"],
+                                  {"ok": (ok, "Q4_0"), "slow": (slow, "Q4_0")}, [arch], [],
+                                  tmp_path, None)
+    assert [(r["model"], r["probe_identical"], r["probe_total"], r["error"]) for r in rows] == [
+        ("ok", 2, 2, None),
+        ("slow", 0, 0, "the probe on aarch64-dotprod did not finish in 3600 s")]
+    table = kernels.kernels_table({"rows": rows, "runs": 1, "threads": 1, "prompts": 0})
+    assert "did not finish" in table
