@@ -175,3 +175,26 @@ def test_a_message_that_spells_every_control_token_stays_text(server, client,
     r = client().chat.completions.create(model="default", messages=msgs, max_tokens=1,
                                          temperature=0)
     assert r.usage.prompt_tokens == len(expected)
+
+
+def test_the_answers_written_behind_are_on_disk_once_the_server_stops(tmp_path):
+    """`edgekv serve` writes the disk tier behind RAM (`--write-behind`, its default): a
+    stopped server (SIGTERM, as a supervisor stops it) has drained its queue, and a new
+    process finds every fragment on disk, readable."""
+    from edgekv.store import DiskStore
+
+    env = {k: v for k, v in ENV.items() if k not in ("EDGEKV_API_KEYS", "EDGEKV_WRITE_BEHIND")}
+    with serve_process(["--port", "0", "--cache-dir", str(tmp_path)], tmp_path / "server.log",
+                       env) as url:
+        c = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
+        msgs = [{"role": "system", "content": LONG_SYSTEM},
+                {"role": "user", "content": "How do I reset the hub?"}]
+        c.chat.completions.create(model="default", messages=msgs, max_tokens=8, temperature=0)
+        queued = httpx.get(f"{url}/metrics").text
+        assert 'edgekv_store_queued_bytes{tier="disk"}' in queued
+        c.close()
+    disk = DiskStore(tmp_path / "store", 10**10)
+    keys = disk.keys()
+    assert len(keys) >= 1000 // 128  # the ~1,000-token prompt's chunks at least
+    assert all(disk.get(k) is not None for k in keys)  # complete, verified files
+    disk.close()
