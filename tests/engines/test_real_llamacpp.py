@@ -282,3 +282,31 @@ def test_the_order_of_imports_does_not_matter_and_children_keep_the_stock_kernel
                          text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-800:]
     assert res.stdout.split()[-3:] == ["0", "False", "False"]
+
+
+def test_a_model_loading_on_one_thread_loses_no_other_threads_output(tmp_path):
+    """llama-cpp-python points fds 1 and 2 at /dev/null while a model loads; EdgeKV's adapter
+    does not, so a line another thread writes meanwhile arrives (a kv-server's "listening on",
+    printed while its probe loaded a second context, was lost and its parent waited forever).
+    llama.cpp's own chatter stays off stdout and stderr."""
+    script = f"""
+import os, sys, threading
+from edgekv.engines.llamacpp import LlamaCppAdapter
+done = threading.Event()
+def load():
+    for _ in range(3):
+        LlamaCppAdapter({str(MODEL)!r}, n_ctx=512).close()
+    done.set()
+threading.Thread(target=load).start()
+n = 0
+while not done.is_set():
+    os.write(1, b"out\\n"); os.write(2, b"err\\n"); n += 1
+print(f"wrote {{n}}", flush=True)
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    n = int(r.stdout.splitlines()[-1].split()[1])
+    assert n > 0
+    assert r.stdout.count("out\n") == n and r.stderr.count("err\n") == n
+    assert set(r.stdout.splitlines()[:-1]) == {"out"} and set(r.stderr.splitlines()) == {"err"}

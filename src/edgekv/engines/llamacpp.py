@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
@@ -188,7 +189,58 @@ def _import_llama() -> Any:
         raise EngineError(
             "llama-cpp-python is not installed: run `make setup` (it builds it with the CPU "
             "flags this machine needs) or `pip install 'edgekv[llamacpp]'`") from e
+    _quiet_in_place(llama_cpp)
     return llama_cpp
+
+
+class _Unredirected:
+    """Stands in for llama-cpp-python's `suppress_stdout_stderr`, which points the process's
+    file descriptors 1 and 2 at /dev/null while a `Llama` loads its model (verbose=False): in
+    a server, whatever any other thread writes meanwhile is lost. A probe loading its second
+    context beside a starting kv-server swallowed the "listening on" line its parent waited
+    for. llama.cpp's own messages go through the log callback (`_llama_log`) instead."""
+
+    def __init__(self, disable: bool = True) -> None:
+        pass
+
+    def __enter__(self) -> _Unredirected:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_GGML_LOG_ERROR, _GGML_LOG_CONT = 4, 5  # ggml.h's enum ggml_log_level
+_log_state = {"last": 0}
+
+
+def _llama_log(level: int, text: bytes | None, _user_data: object) -> None:
+    """llama.cpp's messages: its errors to stderr, the rest only where a `Llama` was made with
+    verbose=True (llama-cpp-python's own callback maps the levels of an older ggml, so its
+    warnings passed as errors and its info was dropped only by the redirect)."""
+    if level == _GGML_LOG_CONT:
+        level = _log_state["last"]
+    _log_state["last"] = level
+    if text and (level >= _GGML_LOG_ERROR
+                 or logging.getLogger("llama-cpp-python").level <= logging.DEBUG):
+        sys.stderr.write(text.decode("utf-8", errors="replace"))
+
+
+_callback: list[Any] = []  # the ctypes callback, kept alive for as long as llama.cpp holds it
+
+
+def _quiet_in_place(llama_cpp: Any) -> None:
+    """Once per process: llama.cpp's messages through `_llama_log`, and no fd redirect."""
+    if _callback:
+        return
+    import importlib
+
+    for name in ("llama_cpp.llama", "llama_cpp._internals", "llama_cpp.llama_chat_format"):
+        module = sys.modules.get(name) or importlib.import_module(name)
+        if hasattr(module, "suppress_stdout_stderr"):
+            setattr(module, "suppress_stdout_stderr", _Unredirected)  # noqa: B010
+    _callback.append(llama_cpp.llama_log_callback(_llama_log))
+    llama_cpp.llama_log_set(_callback[0], ctypes.c_void_p(0))
 
 
 def wants_invariant_kernels() -> bool:
