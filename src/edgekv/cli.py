@@ -304,7 +304,10 @@ def cmd_kv_server(args: argparse.Namespace) -> int:
 
     kw = {"type_k": 0, "type_v": 0} if args.kv_type == "f32" else {}
     adapter = LlamaCppAdapter(args.model, n_ctx=args.n_ctx, memo_dir=cfg.cache_dir, **kw)
-    engine = None if args.no_engine else EdgeKV(adapter, store, cfg)
+    # a first start runs the probe's short stage and finishes it beside serving, as `serve`
+    engine = None if args.no_engine else EdgeKV(adapter, store, cfg,
+                                                 staged_probe=_staged_probe())
+    probing = engine.finish_probe() if engine is not None else None
     reader = ChunkReader.for_model(store, adapter.fingerprint, cfg.layers_per_fragment,
                                    local_layers=adapter.window.swa_layers,
                                    window=adapter.window.n_swa)
@@ -321,6 +324,8 @@ def cmd_kv_server(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     finally:
+        if probing is not None:  # ends between two of its schedules
+            probing.stop()
         server.shutdown()
         store.close()
         adapter.close()
@@ -369,8 +374,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.passage_reuse:
         cfg = dataclasses.replace(cfg, passage_reuse=True)
-    if args.write_behind is not None or "EDGEKV_WRITE_BEHIND" not in os.environ:
-        cfg = dataclasses.replace(cfg, write_behind=args.write_behind is not False)
+    if args.write_behind is not None:  # the flag, over EDGEKV_WRITE_BEHIND
+        cfg = dataclasses.replace(cfg, write_behind=args.write_behind)
+    elif cfg.write_behind is None:  # neither says: serve writes behind
+        cfg = dataclasses.replace(cfg, write_behind=True)
 
     def announce(url: str) -> None:
         page = "" if args.no_ui else f"the page at {url}/, "

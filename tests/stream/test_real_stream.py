@@ -34,13 +34,14 @@ pytestmark = pytest.mark.real
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 
 
-def start_server(tmp: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+def start_server(tmp: Path, *extra: str, env: dict[str, str] | None = None
+                 ) -> tuple[subprocess.Popen, str]:
     share_probes(tmp)
     log = open(tmp / "server.log", "w")  # noqa: SIM115 - closed by stop()
     proc = subprocess.Popen(
         [sys.executable, "-m", "edgekv", "kv-server", "--port", "0", "--cache-dir", str(tmp),
          "--secret-file", str(tmp.parent / "secret"), *extra],
-        stdout=subprocess.PIPE, stderr=log, text=True, env=ENV)
+        stdout=subprocess.PIPE, stderr=log, text=True, env={**ENV, **(env or {})})
     proc._log = log  # type: ignore[attr-defined]
     line = proc.stdout.readline()  # type: ignore[union-attr]
     if "listening on" not in line:
@@ -136,7 +137,10 @@ def test_stalled_or_tampered_stream(adapter, tmp_path, server, prompt, cold, fau
 
 
 def test_wrong_model_fingerprint_server(adapter, tmp_path, prompt, cold):
-    proc, url = start_server(tmp_path / "f32", "--kv-type", "f32")  # same weights, f32 KV
+    # same weights, f32 KV: a probe key no test recorded, so the server starts after the
+    # probe's short stage and finishes it beside serving (as a first start does outside tests)
+    proc, url = start_server(tmp_path / "f32", "--kv-type", "f32",
+                             env={"EDGEKV_FIRST_PROBE": "short"})
     try:
         secret = bytes.fromhex((tmp_path / "secret").read_text())
         r = loader(adapter, tmp_path, url, secret).generate(prompt, max_tokens=8, strategy="stream")
