@@ -97,10 +97,10 @@ class CacheConfig:
     # stored its KV in RAM (`store.behind.WriteBehind`): the request goes on at once, and
     # the fragments are read from RAM (or the queue) until written. A process killed before
     # the queue drains loses those writes (a cache: the next request recomputes them).
-    # Off here (a store that returns has written); `edgekv serve` turns it on (its
-    # --write-behind, default on unless EDGEKV_WRITE_BEHIND is set), where the writes
-    # otherwise ran on a slot's thread beside the other slots' decoding.
-    write_behind: bool = False
+    # None: the program's default. Off in the library (a store that returns has written);
+    # on in `edgekv serve` (--write-behind / --no-write-behind), where the writes otherwise
+    # ran on a slot's thread beside the other slots' decoding.
+    write_behind: bool | None = None
     cache_dir: Path = field(default_factory=default_cache_dir)
 
     def __post_init__(self) -> None:
@@ -218,7 +218,7 @@ def _env_values(cls: type[_Config], prefix: str, overrides: dict[str, object]
             continue
         kind = str(f.type)  # the annotation's text (annotations are postponed)
         try:
-            if kind == "bool":
+            if kind in ("bool", "bool | None"):
                 values[f.name] = raw.strip().lower() in ("1", "true", "yes", "on")
             elif kind == "float":
                 values[f.name] = float(raw)

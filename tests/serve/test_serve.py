@@ -439,7 +439,7 @@ def test_cli_serve_reports_a_port_in_use(tmp_path, capsys):
 
 @pytest.mark.parametrize(("argv", "env", "on"), [
     ([], None, True), (["--no-write-behind"], None, False), ([], "0", False),
-    (["--write-behind"], "0", True)])
+    (["--write-behind"], "0", True), ([], "1", True), (["--no-write-behind"], "1", False)])
 def test_serve_writes_the_disk_tier_behind_unless_told_not_to(tmp_path, monkeypatch, argv, env,
                                                              on):
     import edgekv.serve as serve_pkg
