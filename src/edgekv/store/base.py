@@ -174,7 +174,9 @@ class FragmentStore(Protocol):
 
     def add_remove_listener(self, fn: Callable[[str], None]) -> None:
         """Call `fn(key)` after an entry leaves the store (eviction, expiry, delete, clear).
-        Default: the tier never tells."""
+        `fn` may hear of one removal twice (a written-behind store tells of what its queue
+        dropped and relays its tier): it looks at what is held, and a second call finds the
+        work done. Default: the tier never tells."""
         return None
 
     def persistent_tier(self) -> FragmentStore:

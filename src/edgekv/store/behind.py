@@ -68,7 +68,6 @@ class WriteBehind(FragmentStore):
         self._busy = False
         self._closed = False
         self._listeners: list[Callable[[str], None]] = []
-        self._told = threading.local()  # the last key the tier told of, on this thread
         self.writes = 0  # batches written (and `failed`: batches the tier refused)
         self.failed = 0
         self._thread = threading.Thread(target=self._run, name=f"edgekv-{self.name}-writer",
@@ -143,10 +142,9 @@ class WriteBehind(FragmentStore):
                 if key in self._writing:
                     self._cancelled.add(key)
             self._cv.notify_all()
-        self._told.key = None
-        held = self.inner.delete(key)  # the tier tells the listeners (`_relay`) what it held
-        if frag is not None and self._told.key != key:
-            self._removed(key)
+        held = self.inner.delete(key)  # the tier tells the listeners what it held
+        if frag is not None:  # and this store what was queued (a key both held is told twice:
+            self._removed(key)  # listeners take that, `FragmentStore.add_remove_listener`)
         return held or frag is not None
 
     def clear(self) -> int:
@@ -254,12 +252,8 @@ class WriteBehind(FragmentStore):
 
     def add_remove_listener(self, fn: Callable[[str], None]) -> None:
         if not self._listeners:
-            self.inner.add_remove_listener(self._relay)
+            self.inner.add_remove_listener(self._removed)
         self._listeners.append(fn)
-
-    def _relay(self, key: str) -> None:
-        self._told.key = key
-        self._removed(key)
 
     def persistent_tier(self) -> FragmentStore:
         return self
