@@ -44,50 +44,74 @@ COMMANDS = {
     "kernel-check-arm": "scripts/arm_check.sh kernels",
 }
 
-# a file beside another run of the same bench stands for another condition (else it is an older
-# run, which lives in git history, not here): which one
+# A file beside another run of the same bench (the `bench` its JSON records, else the command
+# that wrote it) stands for another machine kind, or is one arm of an experiment whose arms ran
+# side by side in one sitting (before/after, two models, the builds of one matrix); any other
+# earlier run lives in git history, not here. Which one each file is:
+ZEN4 = "AMD EPYC Zen 4 (AVX512-VNNI)"
+AVX2 = "AMD EPYC with AVX2 only"
+_WORKLOADS = ("one experiment (workloads/README.md): four workloads in one sitting, one thread for "
+              "every system, llama-server and the state_seq peer beside them; this arm: ")
+_PROBES = ("one experiment, the build matrix of 2026-11-30 (docs/batch-invariance.md): one "
+           "sitting, an AMD EPYC with AVX512, before the patch series; this arm: ")
 CONDITIONS = {
-    "serve.json": "the current `bench serve` run: the patched engine, 24 requests",
-    "serve-zen4.json": "another machine kind: AMD EPYC Zen 4 (AVX512-VNNI), 40 requests",
-    "serve-concurrency.json": "another condition: load (`--concurrency 1,2,4,8,16 --rate knee`;"
-                              " gsp, multiround, chat, docs; edgekv = `--parallel 4`), on AMD "
-                              "EPYC Zen 4",
-    "serve-concurrency-avx2.json": "another machine kind: AMD EPYC with AVX2 only, docs at 4 "
-                                   "and 8 clients, edgekv (`--parallel 4`, the step budget, "
-                                   "written behind), `--no-write-behind` and the cache-off run",
-    "serve-prefill-split.json": "another condition: the step budget against "
-                                "`--step-budget-ms 0` and stock llama-server (docs, 4 and 8 "
-                                "clients), a sitting of its own",
-    "spec-verify-cost.json": "AMD EPYC (AVX512), before patches 0010-0012: what a "
-                             "verification batch costs",
-    "spec-verify-cost-avx2.json": "another machine kind: AMD EPYC with AVX2 only, patches to "
-                                  "0012; the costs and the drafter's ceiling on bench spec's "
-                                  "prompts (`--ceiling`)",
-    "kernels.json": "the AVX2-only machine kind (AMD EPYC without AVX512): SmolLM2 Q4_1, Q8_0, "
-                    "Q5_K_M, IQ4_XS and Gemma 3 Q4_K_M, 7 interleaved rounds, patches to 0012",
-    "kernels-ladder-avx2.json": "another condition: the ladder's 1B rung (synthetic Llama 3.2 1B "
-                                "shape, random weights, Q4_K_M), 3 rounds, on the AVX2-only kind",
-    "kernels-zen4.json": "another machine kind: AMD EPYC Zen 4, 7 interleaved rounds",
-    "kernels-avx512-types.json": "another condition: the weight types of issue 33 (SmolLM2 "
-                                 "requantized to Q4_K_M, Q5_K_M, Q6_K, Q3_K_M, IQ4_XS, Q8_0), "
-                                 "7 interleaved rounds, on AMD EPYC Zen 4 (AVX512-VNNI)",
-    "kernels-arm.json": "another machine kind: aarch64 (dotprod, i8mm) under qemu-user, "
-                        "exactness only; CI's `make arm-check` (the CI stand-ins), edgekv rows, "
-                        "8 schedules; probe seconds with other jobs beside it (the stock rows "
-                        "before the series: git, 130b4c3)",
-    "kernel-check-x86.json": "the x86 run, EdgeKV's kernels (the switch on)",
-    "kernel-check-x86-avx2.json": "another machine kind: AMD EPYC with AVX2 only, EdgeKV's "
-                                  "kernels (the switch on), patches to 0012",
-    "kernel-check-x86-stock.json": "another condition: the same build with the switch off "
-                                   "(ggml's own kernels: what the check sees without the series)",
-    "kernel-check-arm.json": "another machine kind: aarch64 under qemu-user, both levels, from "
-                             "CI's `make arm-check`",
-    "faults.json": "reduced: 3 kills, 10 s windows",
-    "faults-full-50kills.json": "full size: 50 kills (before the current accounting)",
-    "faults-kill20.json": "serve_kill_under_load only: 20 kills while 8 clients stream",
+    # bench serve without --concurrency (its JSON's bench: "serve"): one request at a time, every
+    # cache-on server restarted halfway
+    "serve.json": f"bench serve, one request at a time, 24 requests: machine kind {AVX2} (the "
+                  "stock llama-server built there lists no AVX512); the engine of 2026-12-01, "
+                  "patches to 0006",
+    "serve-zen4.json": f"bench serve, one request at a time, 40 requests: machine kind {ZEN4}; "
+                       "patches to 0007",
+    # bench serve --concurrency (bench: "serve-concurrency")
+    "serve-prefill-split.json": "bench serve --concurrency (docs at 4 and 8 clients: edgekv, its "
+                                "step budget off, stock llama-server, each with its cache-off "
+                                f"run): machine kind {ZEN4}",
+    "serve-concurrency-avx2.json": "bench serve --concurrency (docs at 4 and 8 clients: edgekv "
+                                   "written behind, `--no-write-behind` and the cache-off run): "
+                                   f"machine kind {AVX2}",
+    "spec-verify-cost.json": "scripts/verify_cost.py (a bench of its own, not bench spec): "
+                             f"machine kind {ZEN4}, before patches 0010-0012, the sitting of "
+                             "spec.json: what a verification batch costs",
+    "spec-verify-cost-avx2.json": f"scripts/verify_cost.py: machine kind {AVX2}, patches to 0012; "
+                                  "the costs and the drafter's ceiling on bench spec's prompts "
+                                  "(`--ceiling`)",
+    "kernels.json": f"machine kind {AVX2}: SmolLM2 Q4_1, Q8_0, Q5_K_M, IQ4_XS and Gemma 3 Q4_K_M, "
+                    "7 interleaved rounds, patches to 0012",
+    "kernels-avx512-types.json": f"machine kind {ZEN4}: the weight types of issue 33 (SmolLM2 "
+                                 "requantized to Q4_K_M, Q5_K_M, Q6_K, Q3_K_M, IQ4_XS, Q8_0), 7 "
+                                 "interleaved rounds, patches to 0011",
+    "kernels-arm.json": "machine kind aarch64 (dotprod, i8mm) under qemu-user, exactness only; "
+                        "CI's `make arm-check` (the CI stand-ins), edgekv rows, 8 schedules; "
+                        "probe seconds with other jobs beside it (the stock rows before the "
+                        "series: git, 130b4c3)",
+    "kernel-check-x86.json": f"machine kind {ZEN4}, EdgeKV's kernels (the switch on), patches to "
+                             "0011; one experiment with kernel-check-x86-stock.json",
+    "kernel-check-x86-stock.json": "the other arm of kernel-check-x86.json: the same build in the "
+                                   "same sitting with the switch off (ggml's own kernels: what "
+                                   "the check sees without the series)",
+    "kernel-check-x86-avx2.json": f"machine kind {AVX2}, EdgeKV's kernels (the switch on), "
+                                  "patches to 0012",
+    "kernel-check-arm.json": "machine kind aarch64 under qemu-user, both levels, from CI's `make "
+                             "arm-check`",
     "reuse-onnx.json": "another engine: ONNX Runtime",
-    "evict-before.json": "before the candidate heap (the pair of evict.json)",
-    "gemma/reuse-smollm2.json": "SmolLM2 beside the Gemma 3 run",
+    "gemma/reuse.json": "another model: Gemma 3 270M; one experiment with "
+                        "gemma/reuse-smollm2.json (the two models side by side in one sitting)",
+    "gemma/reuse-smollm2.json": "SmolLM2, the other arm of gemma/reuse.json (one sitting, the "
+                                "same settings)",
+    "gemma/seed.json": "another model: Gemma 3 270M",
+    "gemma/probe.json": "another model: Gemma 3 270M (EdgeKV's build before the series)",
+    "evict-before.json": "before the candidate heap: one experiment with evict.json (the same "
+                         "100,000 chunks, the same survivors)",
+    "evict.json": "after the candidate heap: the other arm of evict-before.json",
+    "chat.json": "another workload of bench seed: chat (60 requests)",
+    "workloads/chat.json": _WORKLOADS + "chat, 20 requests",
+    "workloads/rag.json": _WORKLOADS + "rag, 12 requests",
+    "workloads/header.json": _WORKLOADS + "header, 12 requests",
+    "workloads/seed.json": _WORKLOADS + "seed, 12 requests",
+    **{f"probe/{b}-fa{fa}.json": f"{_PROBES}build `{b}`, flash attention {('off', 'on')[fa]}"
+       for b in ("avx2", "avx512", "nollamafile", "norepack", "wheel") for fa in (0, 1)},
+    "probe/final-fa0.json": _PROBES + "build `final` (the build chosen then), flash attention "
+                            "off",
 }
 
 
@@ -102,6 +126,8 @@ def _command(rel: Path, data: dict[str, Any]) -> str:
     argv = (data.get("environment") or {}).get("argv")
     if argv and len(argv) > 1 and "bench" in argv:
         return "edgekv " + " ".join(argv[argv.index("bench"):])
+    if argv and str(argv[0]).endswith(".py"):  # a script of scripts/ (verify_cost.py, ...)
+        return "python " + " ".join(argv)
     stem = rel.stem
     if rel.parent.name == "probe":
         return COMMANDS["probe"]

@@ -6,9 +6,10 @@
 A *unit* of the README is a table row, or a paragraph or list item with its wrapped lines
 joined (a source named on the next line still counts). A unit that names files or folders under
 `docs/bench/` is sourced, and each number on it is a figure (tests/test_readme_figures.py: which
-numbers are names, not figures). A pin says which field a figure is: `file` and `path` (keys and
-list indices joined by `/`, a `/` in a key written `~1` as in a JSON pointer; `#len`
-for the length of a list). The test checks each figure
+numbers are names, not figures); a path in the form `git show <commit>:docs/bench/FILE` points
+to a run in git history and sources nothing. A pin says which field a figure is: `file` and
+`path` (keys and list indices joined by `/`, a `/` in a key written `~1` as in a JSON pointer;
+`#len` for the length of a list). The test checks each figure
 against its pinned field only, at the README's precision, so a figure that happens to equal
 another number in the same JSON fails when its own field changes.
 
@@ -31,7 +32,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 PINS = ROOT / "docs" / "readme-figures.json"
-SOURCE = re.compile(r"docs/bench/[\w./-]*")
+# a path after `<commit>:` (`git show abc1234:docs/bench/x.json`) is a run in git history, not a
+# file of the tree: it sources nothing
+SOURCE = re.compile(r"(?<![\w:/.-])docs/bench/[\w./-]*")
 # names that carry digits but are not figures
 NAMES = re.compile(r"Gemma ?3|Zen ?\d|\d+-node|MiniLM-L6-v2|all-MiniLM-L6|L6|x86-64|"
                    r"Python 3\.\d+|[A-Za-z]+\d\w*|(?<![\d.])\d+(?!x\b|ms\b|s\b)[A-Za-z]\w*|"

@@ -17,7 +17,11 @@
    and nothing where none will be). The oracle bounds every draft-length policy over this
    drafter on this engine: decode steps saved can come only from the drafts it proposes.
 
-    .venv/bin/python scripts/verify_cost.py --ceiling --json docs/bench/spec-verify-cost.json
+    .venv/bin/python scripts/verify_cost.py --ceiling --json docs/bench/spec-verify-cost-avx2.json
+
+One current file per machine kind in docs/bench (docs/bench/README.md): `spec-verify-cost.json`
+is AMD EPYC Zen 4's, `spec-verify-cost-avx2.json` the AVX2-only kind's; a run on another kind
+writes its own.
 """
 
 from __future__ import annotations

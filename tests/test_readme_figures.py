@@ -85,3 +85,13 @@ def test_a_figure_equal_to_another_number_of_its_json_is_still_caught(tmp_path):
     assert len(bad) == 1 and "ttft_ms is 512.0" in bad[0]
     # a figure nobody pinned is reported too
     assert "not pinned" in check(units, {}, tmp_path)[0]
+
+
+def test_a_run_in_git_history_sources_nothing():
+    """`git show <commit>:docs/bench/FILE` points to a run that left the tree: a unit naming only
+    such a pointer is not sourced (its numbers need no pin), and beside a current file it adds
+    nothing to the unit's sources."""
+    old = "- Decode at 1B ran a tenth slower (`git show 8e48a15:docs/bench/gone-run.json`)."
+    assert rf.sources(old) == []
+    both = "- TTFT 308 ms (docs/bench/reuse.json; before: `git show 8e48a15:docs/bench/gone.json`)"
+    assert rf.sources(both) == [ROOT / "docs" / "bench" / "reuse.json"]
