@@ -135,3 +135,24 @@ def test_a_step_beside_the_cache_work_is_planned_at_the_measured_slowdown():
     assert [n for _, n in taken] == [1, 23]  # (100 - 2) / 4 = 24 tokens in all
     _, taken = p._plan([decode(0), prompt(1, 600)], running=True)
     assert [n for _, n in taken] == [1, 48]
+
+
+def test_a_step_is_predicted_from_the_line_and_logged_at_debug(caplog):
+    from edgekv.engines.llamacpp_slots import _log_step
+
+    cost = StepCost()
+    assert cost.predict(10) is None
+    for n in (1, 50, 200):
+        cost.observe(n, 0.002 + 0.004 * n)
+    assert cost.predict(24) == pytest.approx(0.098)
+    cost.slowdown = 1.5
+    assert cost.predict(24, shared=True) == pytest.approx(0.147)
+    p = prompt(2, 600)
+    p.sent = 128  # its next piece starts at position 128
+    items = [(7, 100, 0, True), (8, 101, 1, True)] + [(t, 128 + t, 2, False) for t in range(20)]
+    with caplog.at_level("DEBUG", logger="edgekv.engines.llamacpp_slots"):
+        _log_step(items, [(decode(0), 1), (decode(1), 1), (p, 20)], True, 0.0123, 0.098, 0.1501,
+                  False)
+    [line] = caplog.messages
+    assert line == ("step: 22 tokens, 2 decode, prefill 20@128, context <= 148, running True, "
+                    "shared False, waited 12.3 ms, predicted 98.0 ms, took 150.1 ms")

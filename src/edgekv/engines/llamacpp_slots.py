@@ -137,6 +137,13 @@ class StepCost:
             return 0.0, self._t / self._n
         return max(0.0, (self._t - slope * self._n) / self._w), slope
 
+    def predict(self, tokens: int, *, shared: bool = False) -> float | None:
+        """A step of `tokens` tokens, in seconds (`shared`: at `slowdown`); None before any."""
+        got = self.line()
+        if got is None:
+            return None
+        return (got[0] + got[1] * tokens) * (self.slowdown if shared else 1.0)
+
     def tokens_within(self, budget_s: float, *, shared: bool = False) -> int | None:
         """How many tokens a step can hold in `budget_s` (`shared`: beside the cache's own
         work, at `slowdown`); None before any step."""
@@ -356,10 +363,12 @@ class SlotPool:
                 with self._lock:  # planned once it is held: a state read may have held it
                     t0 = time.perf_counter()
                     asides, shared = self._asides, self._aside > 0
-                    items, taken = self._plan(work, running, t0 - self._stepped, shared)
+                    waited = t0 - self._stepped
+                    items, taken = self._plan(work, running, waited, shared)
+                    predicted = self.cost.predict(len(items), shared=shared)
                     logits = self._ctx.decode(items)
-                    self.cost.observe(len(items), time.perf_counter() - t0,
-                                      shared=shared or self._asides != asides)
+                    took = time.perf_counter() - t0
+                    self.cost.observe(len(items), took, shared=shared or self._asides != asides)
             except BaseException as e:  # noqa: BLE001 - handed to the slots that waited
                 with self._cond:
                     for w, _ in taken:
@@ -368,6 +377,8 @@ class SlotPool:
                             f"batched decode failed: {e}")
                         w.done.set()
                 continue
+            if log.isEnabledFor(logging.DEBUG):  # the budget's own account, step by step
+                _log_step(items, taken, running, waited, predicted, took, shared)
             self._stepped = time.perf_counter()
             self.steps += 1
             self.tokens += len(items)
@@ -388,6 +399,21 @@ class SlotPool:
                 w.error = EngineError("the slot pool closed")
                 w.done.set()
             self._pending.clear()
+
+
+def _log_step(items: list[BatchItem], taken: list[tuple[_Work, int]], running: bool,
+              waited_s: float, predicted_s: float | None, took_s: float, shared: bool) -> None:
+    """One step at DEBUG: its decode tokens and prefill pieces (with the context they attend
+    to), the time the streams waited before it, what the cost line predicted and what it
+    took, for a reader holding the step budget against the steps (the logger
+    `edgekv.engines.llamacpp_slots` at DEBUG)."""
+    pieces = [f"{n}@{w.pos + w.sent}" for w, n in taken if not _decoding(w)]
+    decodes = sum(n for w, n in taken if _decoding(w))
+    log.debug("step: %d tokens, %d decode, prefill %s, context <= %d, running %s, shared %s, "
+              "waited %.1f ms, predicted %s ms, took %.1f ms", len(items), decodes,
+              "+".join(pieces) or "none", max((i[1] for i in items), default=0) + 1, running,
+              shared, waited_s * 1e3, "-" if predicted_s is None else f"{predicted_s * 1e3:.1f}",
+              took_s * 1e3)
 
 
 def _decoding(w: _Work) -> bool:
