@@ -144,3 +144,31 @@ def test_an_emulated_job_that_does_not_finish_is_a_row_that_says_so(tmp_path, mo
         ("slow", 0, 0, "the probe on aarch64-dotprod did not finish in 3600 s")]
     table = kernels.kernels_table({"rows": rows, "runs": 1, "threads": 1, "prompts": 0})
     assert "did not finish" in table
+
+
+def test_long_schedules_run_where_a_model_or_a_model_at_an_arch_is_named(tmp_path, monkeypatch):
+    from edgekv_bench import kernels
+
+    assert kernels.runs_long("m", "aarch64-i8mm", ["m"])
+    assert kernels.runs_long("m", "aarch64-i8mm", ["m@aarch64-i8mm"])
+    assert not kernels.runs_long("m", "aarch64-dotprod", ["m@aarch64-i8mm"])
+    assert kernels.runs_long("m", "aarch64-dotprod", ["all"])
+    assert not kernels.runs_long("m", "aarch64-dotprod", ["mm", "m@x"])
+    # the CI stand-ins: each long once, at one level
+    levels = ("aarch64-dotprod", "aarch64-i8mm")
+    for model in ("synthetic-smollm2-2l-q4_k_m", "synthetic-gemma3-2l-q4_k_m"):
+        assert sum(kernels.runs_long(model, a, kernels.LONG_MODELS) for a in levels) == 1
+    seen = []
+    monkeypatch.setattr(emulated, "probe_binary", lambda arch, root: tmp_path)
+    monkeypatch.setattr(emulated, "probe_emulated",
+                        lambda arch, model, *, invariant, long_tokens, root:
+                        seen.append((arch.name, long_tokens)) or {"results": [], "notes": [],
+                                                                  "pending": [], "seconds": 1.0,
+                                                                  "flash_attn": True})
+    monkeypatch.setattr(kernels, "_model_keys", lambda name, path: {"params": None})
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"x")
+    kernels._emulated_rows(["m"], ["edgekv"], {"m": (model, "Q4_K")},
+                           [emulated.ARCHES[a] for a in levels], ["m@aarch64-i8mm"], tmp_path,
+                           None)
+    assert sorted(seen) == [("aarch64-dotprod", 0), ("aarch64-i8mm", 2040)]
