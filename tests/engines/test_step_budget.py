@@ -82,7 +82,7 @@ def test_a_minimum_piece_goes_in_however_many_generations_run():
 
 def test_before_any_step_a_first_piece_and_without_a_budget_max_batch():
     _, taken = pool(0.1)._plan([decode(0), prompt(1, 600)], running=True)
-    assert [n for _, n in taken] == [1, FIRST_PIECE - 1]
+    assert [n for _, n in taken] == [1, max(FIRST_PIECE - 1, MIN_PIECE)]
     _, taken = pool(None)._plan([decode(0), prompt(1, 600)], running=True)
     assert [n for _, n in taken] == [1, 511]
 
