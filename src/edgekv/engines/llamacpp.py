@@ -221,8 +221,8 @@ def _llama_log(level: int, text: bytes | None, _user_data: object) -> None:
     if level == _GGML_LOG_CONT:
         level = _log_state["last"]
     _log_state["last"] = level
-    if text and (level >= _GGML_LOG_ERROR
-                 or logging.getLogger("llama-cpp-python").level <= logging.DEBUG):
+    verbose = logging.NOTSET < logging.getLogger("llama-cpp-python").level <= logging.DEBUG
+    if text and (level >= _GGML_LOG_ERROR or verbose):
         sys.stderr.write(text.decode("utf-8", errors="replace"))
 
 
