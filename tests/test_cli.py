@@ -124,3 +124,18 @@ def test_help_imports_no_lab_module():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert "bench" in out and "LOADED []" in out, out.splitlines()[-1]
+
+
+def test_vv_turns_on_edgekvs_own_debug_lines_only(tmp_path, capsys):
+    import logging
+
+    from edgekv.cli import main as cli_main
+
+    edgekv_log = logging.getLogger("edgekv")
+    before = edgekv_log.level
+    try:
+        assert cli_main(["-vv", "cache", "stats", "--cache-dir", str(tmp_path), "--json"]) == 0
+        assert logging.getLogger("edgekv.engines.llamacpp_slots").isEnabledFor(logging.DEBUG)
+        assert not logging.getLogger("uvicorn").isEnabledFor(logging.DEBUG)
+    finally:
+        edgekv_log.setLevel(before)

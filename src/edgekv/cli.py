@@ -479,7 +479,9 @@ def _probe_finish(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="edgekv", description=__doc__)
-    p.add_argument("-v", "--verbose", action="store_true", help="log cache decisions")
+    p.add_argument("-v", "--verbose", action="count", default=0,
+                   help="log cache decisions; -vv also EdgeKV's DEBUG lines (each batched "
+                   "step of `serve --parallel`: its tokens, predicted and measured seconds)")
     sub = p.add_subparsers(dest="command", required=True)
 
     def engine_opts(sp: argparse.ArgumentParser) -> None:
@@ -668,6 +670,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    if args.verbose >= 2:  # EdgeKV's own DEBUG lines, not every library's
+        logging.getLogger("edgekv").setLevel(logging.DEBUG)
     try:
         _resolve_model_arg(args)
         return int(args.func(args))

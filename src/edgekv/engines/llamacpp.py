@@ -236,7 +236,7 @@ def _quiet_in_place(llama_cpp: Any) -> None:
     import importlib
 
     for name in ("llama_cpp.llama", "llama_cpp._internals", "llama_cpp.llama_chat_format"):
-        module = sys.modules.get(name) or importlib.import_module(name)
+        module = importlib.import_module(name)  # imported with llama_cpp: found, not loaded
         if hasattr(module, "suppress_stdout_stderr"):
             setattr(module, "suppress_stdout_stderr", _Unredirected)  # noqa: B010
     _callback.append(llama_cpp.llama_log_callback(_llama_log))

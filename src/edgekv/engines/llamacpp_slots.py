@@ -368,7 +368,8 @@ class SlotPool:
                     asides, shared = self._asides, self._aside > 0
                     waited = t0 - self._stepped
                     items, taken = self._plan(work, running, waited, shared)
-                    predicted = self.cost.predict(len(items), shared=shared)
+                    predicted = (self.cost.predict(len(items), shared=shared)
+                                 if log.isEnabledFor(logging.DEBUG) else None)
                     logits = self._ctx.decode(items)
                     took = time.perf_counter() - t0
                     self.cost.observe(len(items), took, shared=shared or self._asides != asides)
@@ -380,7 +381,7 @@ class SlotPool:
                             f"batched decode failed: {e}")
                         w.done.set()
                 continue
-            if log.isEnabledFor(logging.DEBUG):  # the budget's own account, step by step
+            if log.isEnabledFor(logging.DEBUG):  # the budget's own account (`edgekv -vv`)
                 _log_step(items, taken, running, waited, predicted, took, shared)
             self._stepped = time.perf_counter()
             self.steps += 1
@@ -409,7 +410,7 @@ def _log_step(items: list[BatchItem], taken: list[tuple[_Work, int]], running: b
     """One step at DEBUG: its decode tokens and prefill pieces (with the context they attend
     to), the time the streams waited before it, what the cost line predicted and what it
     took, for a reader holding the step budget against the steps (the logger
-    `edgekv.engines.llamacpp_slots` at DEBUG)."""
+    `edgekv.engines.llamacpp_slots` at DEBUG: `edgekv -vv serve`)."""
     pieces = [f"{n}@{w.pos + w.sent}" for w, n in taken if not _decoding(w)]
     decodes = sum(n for w, n in taken if _decoding(w))
     log.debug("step: %d tokens, %d decode, prefill %s, context <= %d, running %s, shared %s, "
