@@ -226,7 +226,7 @@ arm-check: setup $(PATCHED_ROOT)/.edgekv-patches
 
 bench-serve: $(LLAMA_SERVER)
 	HF_HUB_OFFLINE=1 $(BIN)/edgekv bench serve --llama-server $(LLAMA_SERVER) \
-		--json docs/bench/serve.json
+		--json bench-out/serve.json
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache

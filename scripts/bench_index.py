@@ -31,68 +31,36 @@ COMMANDS = {
     "pipeline": "python scripts/pipeline_demo.py",
     "shape": "pytest tests/test_shape.py (scripts/shape.py --json)",
     "slots-step": "python scripts/slots_step_bench.py",
-    "spec-verify-cost": "python scripts/verify_cost.py",
+    "spec-verify-cost-avx2": "python scripts/verify_cost.py",
     "ui-browser": "pytest tests/serve/test_browser.py",
     "window-bytes": "python scripts/window_bytes.py",
     "chat": "edgekv bench seed --workload chat",
     "probe": "edgekv probe --json",
     "arm-probe": "scripts/arm_check.sh",
-    "kernel-check-x86": "probe/edgekv_kernels --invariant 1 --threads 1,2 --json (probe/build.sh)",
-    "kernel-check-x86-stock": "probe/edgekv_kernels --invariant 0 --threads 1,2 --json",
     "kernel-check-x86-avx2": "probe/edgekv_kernels --invariant 1 --threads 1,2 --json "
                              "(probe/build.sh)",
-    "kernel-check-arm": "scripts/arm_check.sh kernels",
 }
 
 # A file beside another run of the same bench (the `bench` its JSON records, else the command
-# that wrote it) stands for another machine kind, or is one arm of an experiment whose arms ran
-# side by side in one sitting (before/after, two models, the builds of one matrix); any other
-# earlier run lives in git history, not here. Which one each file is:
-ZEN4 = "AMD EPYC Zen 4 (AVX512-VNNI)"
+# that wrote it) stands for another engine, model or workload, or is one arm of an experiment
+# whose arms ran side by side in one sitting (before/after, two models, the builds of one
+# matrix); any earlier run, on this machine kind or another, lives in git history, not here.
+# What each file is:
 AVX2 = "AMD EPYC with AVX2 only"
 _WORKLOADS = ("one experiment (workloads/README.md): four workloads in one sitting, one thread for "
               "every system, llama-server and the state_seq peer beside them; this arm: ")
 _PROBES = ("one experiment, the build matrix of 2026-11-30 (docs/batch-invariance.md): one "
            "sitting, an AMD EPYC with AVX512, before the patch series; this arm: ")
 CONDITIONS = {
-    # bench serve without --concurrency (its JSON's bench: "serve"): one request at a time, every
-    # cache-on server restarted halfway
-    "serve.json": f"bench serve, one request at a time, 24 requests: machine kind {AVX2} (the "
-                  "stock llama-server built there lists no AVX512); the engine of 2026-12-01, "
-                  "patches to 0006",
-    "serve-zen4.json": f"bench serve, one request at a time, 40 requests: machine kind {ZEN4}; "
-                       "patches to 0007",
-    # bench serve --concurrency (bench: "serve-concurrency")
-    "serve-prefill-split.json": "bench serve --concurrency (docs at 4 and 8 clients: edgekv, its "
-                                "step budget off, stock llama-server, each with its cache-off "
-                                f"run): machine kind {ZEN4}",
     "serve-concurrency-avx2.json": "bench serve --concurrency (docs at 4 and 8 clients: edgekv "
-                                   "written behind, `--no-write-behind` and the cache-off run): "
-                                   f"machine kind {AVX2}",
-    "spec-verify-cost.json": "scripts/verify_cost.py (a bench of its own, not bench spec): "
-                             f"machine kind {ZEN4}, before patches 0010-0012, the sitting of "
-                             "spec.json: what a verification batch costs",
-    "spec-verify-cost-avx2.json": f"scripts/verify_cost.py: machine kind {AVX2}, patches to 0012; "
-                                  "the costs and the drafter's ceiling on bench spec's prompts "
-                                  "(`--ceiling`)",
-    "kernels.json": f"machine kind {AVX2}: SmolLM2 Q4_1, Q8_0, Q5_K_M, IQ4_XS and Gemma 3 Q4_K_M, "
-                    "7 interleaved rounds, patches to 0012",
-    "kernels-avx512-types.json": f"machine kind {ZEN4}: the weight types of issue 33 (SmolLM2 "
-                                 "requantized to Q4_K_M, Q5_K_M, Q6_K, Q3_K_M, IQ4_XS, Q8_0), 7 "
-                                 "interleaved rounds, patches to 0011",
-    "kernels-arm.json": "machine kind aarch64 (dotprod, i8mm) under qemu-user, exactness only; "
-                        "CI's `make arm-check` (the CI stand-ins), edgekv rows, 8 schedules; "
-                        "probe seconds with other jobs beside it (the stock rows before the "
-                        "series: git, 130b4c3)",
-    "kernel-check-x86.json": f"machine kind {ZEN4}, EdgeKV's kernels (the switch on), patches to "
-                             "0011; one experiment with kernel-check-x86-stock.json",
-    "kernel-check-x86-stock.json": "the other arm of kernel-check-x86.json: the same build in the "
-                                   "same sitting with the switch off (ggml's own kernels: what "
-                                   "the check sees without the series)",
-    "kernel-check-x86-avx2.json": f"machine kind {AVX2}, EdgeKV's kernels (the switch on), "
-                                  "patches to 0012",
-    "kernel-check-arm.json": "machine kind aarch64 under qemu-user, both levels, from CI's `make "
-                             "arm-check`",
+                                   "written behind, `--no-write-behind` and the cache-off run) "
+                                   f"on an {AVX2}",
+    "spec-verify-cost-avx2.json": f"scripts/verify_cost.py on an {AVX2}, patches to 0012: what "
+                                  "a verification batch costs, and the drafter's ceiling on "
+                                  "bench spec's prompts (`--ceiling`)",
+    "kernels.json": f"{AVX2}: SmolLM2 Q4_1, Q8_0, Q5_K_M, IQ4_XS and Gemma 3 Q4_K_M, 7 "
+                    "interleaved rounds, patches to 0012",
+    "kernel-check-x86-avx2.json": f"{AVX2}, EdgeKV's kernels (the switch on), patches to 0012",
     "reuse-onnx.json": "another engine: ONNX Runtime",
     "gemma/reuse.json": "another model: Gemma 3 270M; one experiment with "
                         "gemma/reuse-smollm2.json (the two models side by side in one sitting)",
@@ -174,7 +142,7 @@ def rows() -> list[tuple[str, str, str, str]]:
 
 def render() -> str:
     lines = [
-        "# docs/bench: one current JSON per bench (per machine kind or condition)",
+        "# docs/bench: one current JSON per bench (per condition or experiment arm)",
         "",
         "Made by `python scripts/bench_index.py` from the files and git; older runs live in "
         "git history. *Commit* is the last commit that changed the file (the code it ran on "

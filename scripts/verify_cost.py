@@ -19,9 +19,9 @@
 
     .venv/bin/python scripts/verify_cost.py --ceiling --json docs/bench/spec-verify-cost-avx2.json
 
-One current file per machine kind in docs/bench (docs/bench/README.md): `spec-verify-cost.json`
-is AMD EPYC Zen 4's, `spec-verify-cost-avx2.json` the AVX2-only kind's; a run on another kind
-writes its own.
+One current file in docs/bench (docs/bench/README.md): `spec-verify-cost-avx2.json`, the
+AVX2-only kind's; the earlier Zen 4 run is in git history
+(`git show 31f77bb:docs/bench/spec-verify-cost.json`).
 """
 
 from __future__ import annotations

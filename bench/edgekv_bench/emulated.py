@@ -107,7 +107,7 @@ def run_emulated(jobs: Sequence[tuple[Arch, Path, bool, int]], *, root: Path = P
     The longest jobs start first (`emulated_cost`): started in the given order, the 2,040-token
     schedules of the last arch's Gemma 3 stand-in (400 s of qemu) ran alone at the end while
     the other core idled, 1,213 s for jobs that add up to 1,953 s of qemu on 2 cores
-    (docs/bench/kernels-arm.json)."""
+    (`git show 5d1e591:docs/bench/kernels-arm.json`)."""
     for arch in {j[0] for j in jobs}:
         probe_binary(arch, root)  # every binary is there before hours of emulation start
     done = 0

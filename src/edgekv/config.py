@@ -91,7 +91,7 @@ class CacheConfig:
     # request's own prompt and answer and verifies them in one batch, the output bit-identical
     # to plain decoding; only where the batch-invariance probe's draft schedule passes (else
     # decoding stays plain, and says why). "none": one token a step. Default "none": see
-    # `edgekv bench spec` (docs/bench/spec.md) for where it wins and where it loses.
+    # `edgekv bench spec` (its last run: `git show 31f77bb:docs/bench/spec.md`).
     speculative: str = "none"
     # The tier behind RAM (disk, Redis) written by a thread of its own after a request has
     # stored its KV in RAM (`store.behind.WriteBehind`): the request goes on at once, and

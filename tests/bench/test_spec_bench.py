@@ -1,5 +1,5 @@
 """`edgekv bench spec`'s arithmetic and its fixed prompt sets (the servers' run is the bench
-itself: docs/bench/spec.json)."""
+itself; its last run: `git show 31f77bb:docs/bench/spec.json`)."""
 
 from __future__ import annotations
 
