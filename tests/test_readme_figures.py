@@ -11,6 +11,8 @@ flags) and names with digits (SmolLM2-135M, Q4_1, Gemma 3) are not figures. Ever
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 from pathlib import Path
 
 from tests.scriptkit import load_script
@@ -95,3 +97,34 @@ def test_a_run_in_git_history_sources_nothing():
     assert rf.sources(old) == []
     both = "- TTFT 308 ms (docs/bench/reuse.json; before: `git show 8e48a15:docs/bench/gone.json`)"
     assert rf.sources(both) == [ROOT / "docs" / "bench" / "reuse.json"]
+
+
+def _named_runs(text: str) -> list[tuple[str | None, str]]:
+    """The runs a text names: (commit, path) for `git show COMMIT:docs/bench/F`, (None, path)
+    for a file in the tree."""
+    pat = re.compile(r"(?:git show ([0-9a-f]{7,40}):)?(docs/bench/[\w./-]*\w\.(?:json|md))")
+    return [(m.group(1), m.group(2)) for m in pat.finditer(text)]
+
+
+def test_every_run_the_docs_name_is_where_they_say():
+    """A docs file that names a run under docs/bench/ names one that is there: in the tree, or,
+    for a `git show COMMIT:docs/bench/F` pointer, in that commit (a run that leaves the tree
+    leaves a pointer, not a dangling name)."""
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    bad = []
+    for doc in docs:
+        for commit, path in _named_runs(doc.read_text()):
+            if commit is None:
+                ok = (ROOT / path).exists()
+            else:
+                ok = subprocess.run(["git", "cat-file", "-e", f"{commit}:{path}"], cwd=ROOT,
+                                    capture_output=True).returncode == 0
+            if not ok:
+                bad.append(f"{doc.relative_to(ROOT)}: {commit + ':' if commit else ''}{path}")
+    assert not bad, "runs named but not there:\n" + "\n".join(sorted(set(bad)))
+
+
+def test_a_dangling_run_name_is_caught():
+    got = _named_runs("see docs/bench/gone.json and "
+                      "`git show 5d1e591:docs/bench/kernels-arm.json`.")
+    assert got == [(None, "docs/bench/gone.json"), ("5d1e591", "docs/bench/kernels-arm.json")]

@@ -126,11 +126,18 @@ def ensure_model(name: str, cache_dir: Path, llama_quantize: Path | None = None,
     return dst
 
 
+def _tmp_path(dst: Path) -> Path:
+    """Where `dst` is written before its atomic rename: one per process, so two processes
+    that make the same model at once (CI's ARM check runs beside the tests) never write into
+    each other's file; both renames leave the same bytes."""
+    return dst.with_suffix(f".{os.getpid()}.tmp")
+
+
 def quantize(src: Path, dst: Path, wtype: str, *, requantize: bool = False,
              llama_quantize: Path | None = None) -> None:
     """llama.cpp's quantization of `src` to `wtype`, written to `dst` atomically."""
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_suffix(".tmp")
+    tmp = _tmp_path(dst)
     if llama_quantize is not None:
         if not llama_quantize.is_file():
             raise EdgeKVError(f"{llama_quantize} is missing: run `make llama-server` "
@@ -204,7 +211,7 @@ def write_synthetic(shape: Shape, dst: Path, template: Path, seed: int = 0) -> N
         keys.update({"embedding_length": n_embd, "feed_forward_length": n_ff,
                      "attention.head_count": n_head, "attention.head_count_kv": n_kv})
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_suffix(".tmp")
+    tmp = _tmp_path(dst)
     writer = gguf.GGUFWriter(str(tmp), arch)
     skip = {"general.architecture", "general.file_type", "general.quantization_version",
             "general.name", "general.size_label", "general.finetune", "general.basename"}
