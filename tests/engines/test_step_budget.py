@@ -5,6 +5,9 @@ under the budget: tests/cache/test_real_parallel.py."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 from edgekv.engines.llamacpp_slots import FIRST_PIECE, MIN_PIECE, SlotPool, StepCost, _Work
@@ -42,6 +45,8 @@ def pool(budget: float | None, max_batch: int = 512) -> SlotPool:
     """A pool's planner alone (no engine): what `_plan` reads."""
     p = SlotPool.__new__(SlotPool)
     p.max_batch, p.step_budget_s, p.cost, p.budgeted_steps = max_batch, budget, StepCost(), 0
+    p.gather_s, p.late_s, p._fed = 0.004, 0.02, False
+    p._cond, p._pending, p._stepping, p._closed = threading.Condition(), {}, {}, False
     return p
 
 
@@ -156,3 +161,72 @@ def test_a_step_is_predicted_from_the_line_and_logged_at_debug(caplog):
     [line] = caplog.messages
     assert line == ("step: 22 tokens, 2 decode, prefill 20@128, context <= 148, running True, "
                     "shared False, waited 12.3 ms, predicted 98.0 ms, took 150.1 ms")
+
+
+def test_after_a_state_read_held_the_streams_a_fed_prompt_skips_its_minimum_piece():
+    """A state read or write that held the context past the rendezvous already cost the
+    streams their budget: where the last step fed the prompts, this one takes only what the
+    budget fits (here nothing); a prompt the last step did not feed still gets its piece."""
+    p = pool(0.1)
+    for n in (1, 50, 200):
+        p.cost.observe(n, 0.002 + 0.004 * n)
+    work = [decode(0), decode(1), prompt(2, 600)]
+    p._fed = True
+    _, taken = p._plan(work, running=True, waited_s=0.12, held_s=0.1)
+    assert [n for _, n in taken] == [1, 1]
+    _, taken = p._plan(work, running=True, waited_s=0.12, held_s=0.001)  # the rendezvous
+    assert [n for _, n in taken] == [1, 1, MIN_PIECE]
+    p._fed = False
+    _, taken = p._plan(work, running=True, waited_s=0.12, held_s=0.1)
+    assert [n for _, n in taken] == [1, 1, MIN_PIECE]
+
+
+def test_the_rendezvous_waits_longer_before_a_step_that_holds_a_prompt():
+    """A stream that misses a step holding a prompt's piece waits all of it: the rendezvous
+    gives a stepping slot `late_s` from its logits there, `gather_s` before a decode-only
+    step, and nothing to a slot whose logits are older than that."""
+    p = pool(0.1)
+    now = time.perf_counter()
+    p._pending = {0: decode(0)}
+    p._stepping = {1: now}
+    assert p._late() == pytest.approx(now + p.gather_s)
+    p._pending[2] = prompt(2, 600)
+    assert p._late() == pytest.approx(now + p.late_s)
+    p._stepping = {1: now - 1.0}  # stepped a second ago and went on to something else
+    assert p._late() <= now
+
+    # a stream that hands in 50 ms after its logits (over gather_s) joins the prompt's step
+    p.late_s = 5.0  # (a loaded machine may wake the thread late)
+    p._pending, p._stepping = {2: prompt(2, 600)}, {1: time.perf_counter()}
+
+    def late_hand_in() -> None:
+        time.sleep(0.05)
+        with p._cond:
+            p._pending[1] = decode(1)
+            p._stepping.pop(1)
+            p._cond.notify_all()
+
+    t = threading.Thread(target=late_hand_in)
+    t.start()
+    work, running = p._gather()
+    t.join()
+    assert [w.seq for w in work] == [1, 2] and running
+
+
+def test_a_slot_doing_the_cache_work_is_not_waited_for():
+    """A slot's cache work (`Slot.aside`: an early store after its first token) is not its
+    next token: the rendezvous stops waiting for it, and the steps meanwhile are shared."""
+    from types import SimpleNamespace
+
+    from edgekv.engines.llamacpp_slots import Slot
+
+    p = pool(0.1)
+    p._aside = p._asides = 0
+    p.adapter = SimpleNamespace(fingerprint=None, window=None, weight_bytes=0, n_threads=2,
+                                n_ctx=2048)
+    slot = Slot(p, 1)
+    p._pending, p._stepping = {2: prompt(2, 600)}, {1: time.perf_counter()}
+    assert p._late() > time.perf_counter()
+    with slot.aside():
+        assert p._late() == 0.0 and p._aside == 1
+    assert p._aside == 0

@@ -34,9 +34,14 @@ How, and why it stays exact:
   that a token's numbers do not depend on its batch mates is what the probe checks (its
   split-prefill schedule: a prompt in pieces beside other sequences' decode steps).
 - The rendezvous: a slot that just got logits samples its next token (about a millisecond) and
-  hands it in. The pool waits for every such "stepping" slot, up to `gather_s`, so that their
-  tokens share one batch rather than going out one at a time. A slot doing anything else (a
-  store lookup, an injection) is not waited for.
+  hands it in. The pool waits for every such "stepping" slot, up to `gather_s` after it got
+  its logits, so that their tokens share one batch rather than going out one at a time; up to
+  `late_s` where the step holds a prompt's piece. A stream that misses such a step waits all
+  of it (a budget's length) and then its own: on 2 cores a sampling thread waiting for the
+  GIL or a core missed the 4 ms window before 4 of 644 steps of a docs run at 4 clients,
+  and its gaps (183, 168 and 221 ms) were the run's longest. A slot doing anything else (a
+  store lookup, an injection) is not waited for, nor one whose logits are older than the
+  window (it went on to something else without saying).
 - llama.cpp's context is not thread-safe: every call on it (decode, state read and write, cell
   removal) holds the pool's lock.
 - Every computation of the pool runs on its one thread, so one OpenMP team does the work. Keep
@@ -89,7 +94,10 @@ __all__ = ["Slot", "SlotPool"]
 log = logging.getLogger(__name__)
 
 
-MIN_PIECE = 16  # prefill tokens every step takes, whatever the budget (prompts progress)
+MIN_PIECE = 16  # prefill tokens a step takes, whatever the budget (prompts progress); not
+# where a state read or write held the context past the rendezvous and the step before fed
+# the prompts: then it takes what the budget fits (a 47 ms state read and a 16-token piece
+# made a 155 ms gap in a docs run at 4 clients)
 # The piece beside running generations before any step was measured for the line (a step
 # beside the cache's own work is not): the minimum. At 64, a server's first steps beside a
 # stream took 232 and 249 ms on 2 AVX2 cores (SmolLM2, about 4 ms a token), a 460 ms gap.
@@ -178,7 +186,8 @@ class SlotPool:
     """N slots over one llama.cpp context with a KV stream each; see the module doc."""
 
     def __init__(self, adapter: LlamaCppAdapter, n_seq: int, *, max_batch: int = 512,
-                 gather_s: float = 0.004, step_budget_s: float | None = 0.1) -> None:
+                 gather_s: float = 0.004, late_s: float = 0.02,
+                 step_budget_s: float | None = 0.1) -> None:
         if n_seq < 2:
             raise EngineError(f"a slot pool needs at least 2 sequences, got {n_seq}")
         if step_budget_s is not None and step_budget_s <= 0:
@@ -187,8 +196,8 @@ class SlotPool:
             raise UnsupportedLayout(
                 "a sliding-window model's KV is read from the whole cache (one sequence per "
                 "context), so its requests run one at a time")
-        self.adapter, self.n_seq, self.max_batch, self.gather_s = (adapter, n_seq, max_batch,
-                                                                   gather_s)
+        self.adapter, self.n_seq, self.max_batch = adapter, n_seq, max_batch
+        self.gather_s, self.late_s = gather_s, max(gather_s, late_s)
         per_seq = -(-adapter.n_ctx // 256) * 256  # llama.cpp pads a stream to 256 cells
         self._ctx: SequenceContext = adapter.sequence_context(
             n_seq, n_seq * per_seq, unified=False, per_sequence=per_seq,
@@ -196,7 +205,8 @@ class SlotPool:
         self._lock = threading.Lock()  # the llama.cpp context
         self._cond = threading.Condition()  # the hand-ins below
         self._pending: dict[int, _Work] = {}
-        self._stepping: set[int] = set()  # slots that got logits and may hand in soon
+        self._stepping: dict[int, float] = {}  # slots that got logits (when) and may hand in
+        self._fed = False  # the last step held a prompt's piece
         self._arrivals = 0
         self._closed = False
         self._aside = 0  # slots doing the cache's own work (`aside`), CPU the steps share
@@ -231,7 +241,7 @@ class SlotPool:
             work = _Work(seq, list(tokens), pos, self._arrivals, every=every)
             self._arrivals += 1
             self._pending[seq] = work
-            self._stepping.discard(seq)
+            self._stepping.pop(seq, None)
             self._cond.notify_all()
         work.done.wait()
         if work.error is not None:
@@ -255,8 +265,7 @@ class SlotPool:
     def leave(self, seq: int) -> None:
         """Slot `seq` does something else before its next hand-in: do not wait for it."""
         with self._cond:
-            if seq in self._stepping:
-                self._stepping.discard(seq)
+            if self._stepping.pop(seq, None) is not None:
                 self._cond.notify_all()
 
     def blob(self, seq: int) -> ctypes.Array[ctypes.c_uint8]:
@@ -306,21 +315,29 @@ class SlotPool:
     # -- the batching thread -------------------------------------------------------------
 
     def _gather(self) -> tuple[list[_Work], bool] | None:
-        """Wait for work, then for the stepping slots (up to `gather_s`): the work, decode
-        first, and whether a generation is running (a decode token in the work, or a slot
-        that stepped and is still sampling); None once closed."""
+        """Wait for work, then for the stepping slots (each up to `gather_s` after its
+        logits, `late_s` where a prompt's piece waits: the step will be long): the work,
+        decode first, and whether a generation is running (a decode token in the work, or a
+        slot that stepped and is still sampling); None once closed."""
         with self._cond:
             while not self._pending and not self._closed:
                 self._cond.wait()
             if self._closed:
                 return None
-            deadline = time.perf_counter() + self.gather_s
-            while (self._stepping - self._pending.keys()
-                   and (left := deadline - time.perf_counter()) > 0):
+            while (late := self._late()) and (left := late - time.perf_counter()) > 0:
                 self._cond.wait(left)
             work = sorted(self._pending.values(), key=lambda w: (not _decoding(w), w.order))
-            running = bool(self._stepping - self._pending.keys()) or any(map(_decoding, work))
+            running = (any(s not in self._pending for s in self._stepping)
+                       or any(map(_decoding, work)))
             return work, running
+
+    def _late(self) -> float:
+        """Until when the rendezvous waits for the stepping slots that have not handed in
+        (0: none to wait for); under `_cond`."""
+        window = (self.late_s if any(not _decoding(w) for w in self._pending.values())
+                  else self.gather_s)
+        return max((t + window for s, t in self._stepping.items() if s not in self._pending),
+                   default=0.0)
 
     def _room(self, running: bool, waited_s: float = 0.0, shared: bool = False) -> int:
         """The tokens one step may hold: `max_batch`, or with generations running what the
@@ -334,18 +351,24 @@ class SlotPool:
         return min(self.max_batch, FIRST_PIECE if fits is None else fits)
 
     def _plan(self, work: list[_Work], running: bool = False, waited_s: float = 0.0,
-              shared: bool = False) -> tuple[list[BatchItem], list[tuple[_Work, int]]]:
+              shared: bool = False, held_s: float = 0.0
+              ) -> tuple[list[BatchItem], list[tuple[_Work, int]]]:
         """One step's batch: every decode token, then prompts' next pieces in arrival order,
         up to `_room` tokens in all but at least `MIN_PIECE` of prefill (never over
-        `max_batch`); (work, tokens taken) each."""
+        `max_batch`); (work, tokens taken) each. `held_s`: how long a state read or write
+        held the context after the rendezvous."""
         items: list[BatchItem] = []
         taken: list[tuple[_Work, int]] = []
         budget = self._room(running, waited_s, shared)
+        # the minimum piece, unless a state read or write held the streams up (longer than
+        # the rendezvous waits) and the last step fed the prompts: they progress every
+        # other step at least
+        floor = 0 if self._fed and held_s > self.gather_s else MIN_PIECE
         prefill = 0
         for w in work:
             room = self.max_batch - len(items)
             if not _decoding(w):
-                room = min(room, max(budget - len(items), MIN_PIECE - prefill))
+                room = min(room, max(budget - len(items), floor - prefill))
             if room <= 0:
                 break
             n = min(len(w.tokens) - w.sent, room)
@@ -362,12 +385,13 @@ class SlotPool:
     def _loop(self) -> None:
         while (got := self._gather()) is not None:
             work, running = got
+            gathered = time.perf_counter()
             try:
                 with self._lock:  # planned once it is held: a state read may have held it
                     t0 = time.perf_counter()
                     asides, shared = self._asides, self._aside > 0
                     waited = t0 - self._stepped
-                    items, taken = self._plan(work, running, waited, shared)
+                    items, taken = self._plan(work, running, waited, shared, t0 - gathered)
                     predicted = (self.cost.predict(len(items), shared=shared)
                                  if log.isEnabledFor(logging.DEBUG) else None)
                     logits = self._ctx.decode(items)
@@ -384,6 +408,7 @@ class SlotPool:
             if log.isEnabledFor(logging.DEBUG):  # the budget's own account (`edgekv -vv`)
                 _log_step(items, taken, running, waited, predicted, took, shared)
             self._stepped = time.perf_counter()
+            self._fed = any(not _decoding(w) for w, _ in taken)
             self.steps += 1
             self.tokens += len(items)
             self.max_sequences = max(self.max_sequences, len(taken))
@@ -396,7 +421,7 @@ class SlotPool:
                     if w.sent == len(w.tokens):
                         w.logits = w.all_logits[-1] if w.every else next(out)
                         self._pending.pop(w.seq, None)
-                        self._stepping.add(w.seq)
+                        self._stepping[w.seq] = self._stepped
                         w.done.set()
         with self._cond:  # closed: nobody waits forever
             for w in self._pending.values():
@@ -473,7 +498,9 @@ class Slot(SequenceAdapter, SharedCPU):
     # -- the sequence ----------------------------------------------------------------------
 
     def aside(self) -> AbstractContextManager[None]:
-        """`base.SharedCPU`: the caller's cache work, beside the other slots' steps."""
+        """`base.SharedCPU`: the caller's cache work, beside the other slots' steps (not its
+        next token: the rendezvous does not wait for it)."""
+        self.pool.leave(self.seq)
         return self.pool.aside()
 
     def clear_kv_cache(self) -> None:
