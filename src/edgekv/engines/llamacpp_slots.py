@@ -38,10 +38,10 @@ How, and why it stays exact:
   its logits, so that their tokens share one batch rather than going out one at a time; up to
   `late_s` where the step holds a prompt's piece. A stream that misses such a step waits all
   of it (a budget's length) and then its own: on 2 cores a sampling thread waiting for the
-  GIL or a core missed the 4 ms window before 4 of 644 steps of a docs run at 4 clients,
-  and its gaps (183, 168 and 221 ms) were the run's longest. A slot doing anything else (a
-  store lookup, an injection) is not waited for, nor one whose logits are older than the
-  window (it went on to something else without saying).
+  GIL or a core missed the 4 ms window before 4 of 644 steps of a hand run of the docs
+  workload at 4 clients, and its gaps (183, 168 and 221 ms) were the run's longest. A slot
+  doing anything else (a store lookup, an injection) is not waited for, nor one whose logits
+  are older than the window (it went on to something else without saying).
 - llama.cpp's context is not thread-safe: every call on it (decode, state read and write, cell
   removal) holds the pool's lock.
 - Every computation of the pool runs on its one thread, so one OpenMP team does the work. Keep
@@ -97,7 +97,8 @@ log = logging.getLogger(__name__)
 MIN_PIECE = 16  # prefill tokens a step takes, whatever the budget (prompts progress); not
 # where a state read or write held the context past the rendezvous and the step before fed
 # the prompts: then it takes what the budget fits (a 47 ms state read and a 16-token piece
-# made a 155 ms gap in a docs run at 4 clients)
+# made a 155 ms gap in a hand run of the docs workload at 4 clients)
+
 # The piece beside running generations before any step was measured for the line (a step
 # beside the cache's own work is not): the minimum. At 64, a server's first steps beside a
 # stream took 232 and 249 ms on 2 AVX2 cores (SmolLM2, about 4 ms a token), a 460 ms gap.
