@@ -96,8 +96,9 @@ log = logging.getLogger(__name__)
 
 MIN_PIECE = 16  # prefill tokens a step takes, whatever the budget (prompts progress); not
 # where a state read or write held the context past the rendezvous and the step before fed
-# the prompts: then it takes what the budget fits (a 47 ms state read and a 16-token piece
-# made a 155 ms gap in a hand run of the docs workload at 4 clients)
+# the prompts: then it takes what the budget fits (a 47 ms wait beside a store, whose state
+# read holds the context, and a 16-token piece made a 155 ms gap in a hand run of the docs
+# workload at 4 clients)
 
 # The piece beside running generations before any step was measured for the line (a step
 # beside the cache's own work is not): the minimum. At 64, a server's first steps beside a
