@@ -52,9 +52,9 @@ _WORKLOADS = ("one experiment (workloads/README.md): four workloads in one sitti
 _PROBES = ("one experiment, the build matrix of 2026-11-30 (docs/batch-invariance.md): one "
            "sitting, an AMD EPYC with AVX512, before the patch series; this arm: ")
 CONDITIONS = {
-    "serve-concurrency-avx2.json": "bench serve --concurrency (docs at 4 and 8 clients: edgekv "
-                                   "written behind, `--no-write-behind` and the cache-off run) "
-                                   f"on an {AVX2}",
+    "serve-concurrency-avx2.json": "bench serve --concurrency (docs at 4, 8 and 16 clients: "
+                                   "edgekv, its step budget off, stock llama-server, each with "
+                                   f"its cache-off run) on an {AVX2}",
     "spec-verify-cost-avx2.json": f"scripts/verify_cost.py on an {AVX2}, patches to 0012: what "
                                   "a verification batch costs, and the drafter's ceiling on "
                                   "bench spec's prompts (`--ceiling`)",
