@@ -55,6 +55,10 @@ CONDITIONS = {
     "serve-concurrency-avx2.json": "bench serve --concurrency (docs at 4, 8 and 16 clients: "
                                    "edgekv, its step budget off, stock llama-server, each with "
                                    f"its cache-off run) on an {AVX2}",
+    "serve-concurrency.json": "bench serve --concurrency 1,2,4,8,16 --rate knee (gsp, "
+                              "multiround, chat and docs: edgekv and stock llama-server, each "
+                              "with its cache-off run, one sitting) on an AMD EPYC Zen 4 with "
+                              "AVX512; docs without its rate runs (the JSON's `incomplete`)",
     "spec-verify-cost-avx2.json": f"scripts/verify_cost.py on an {AVX2}, patches to 0012: what "
                                   "a verification batch costs, and the drafter's ceiling on "
                                   "bench spec's prompts (`--ceiling`)",
