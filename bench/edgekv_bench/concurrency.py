@@ -405,11 +405,17 @@ def _peak_rss_mib(server: Server) -> float | None:
 
 
 def find_knee(runner: _Runner, workload: str, prompts: Sequence[Prompt], slo: Slo,
-              service_rps: float) -> tuple[float, list[dict[str, Any]]]:
+              service_rps: float, alone_slo_met: float | None = None,
+              ) -> tuple[float | None, list[dict[str, Any]]]:
     """llama-server's knee on `workload`: from `service_rps` (its concurrency-1 request rate)
     up by `KNEE_STEP` while its goodput holds `KNEE_GOODPUT` of the rate it achieved, or down
-    while it does not; the lowest rate tried where it does not, and every try."""
+    while it does not; the lowest rate tried where it does not, and every try. None, with no
+    try, where it met the SLO on under `KNEE_GOODPUT` of the requests one at a time
+    (`alone_slo_met`): no rate does better than no queueing, so every rate is past a knee and
+    the search would only go down to ever longer runs."""
     trace: list[dict[str, Any]] = []
+    if alone_slo_met is not None and alone_slo_met < KNEE_GOODPUT:
+        return None, trace
 
     def holds(rate: float) -> bool:
         replies, wall = runner.measure("llama_server", workload, prompts, Load("rate", rate),
@@ -483,9 +489,10 @@ def _rows(names: Sequence[str], workloads: Sequence[str], levels: Sequence[int],
     return rows
 
 
-def _service_rate(runner: _Runner, workload: str, prompts: Sequence[Prompt]) -> float:
+def _service_rate(runner: _Runner, workload: str, prompts: Sequence[Prompt],
+                  slo: Slo) -> tuple[float, float | None]:
     """llama-server's requests/s one at a time on `workload` (its concurrency-1 run, made here
-    if the levels left it out)."""
+    if the levels left it out), and the share of those requests that met `slo`."""
     key = ("llama_server", workload, Load("concurrency", 1).label)
     got = runner.replies.get(key)
     if got is None:
@@ -497,7 +504,7 @@ def _service_rate(runner: _Runner, workload: str, prompts: Sequence[Prompt]) -> 
     if not ok:
         raise ConfigError(f"llama-server answered none of the {workload} requests one at a "
                           "time: no knee to find")
-    return ok / wall
+    return ok / wall, load_figures(got, wall, slo)["slo_met"]
 
 
 def run_concurrency_bench(*, concurrency: Sequence[int], workdir: Path,
@@ -574,10 +581,13 @@ def run_concurrency_bench(*, concurrency: Sequence[int], workdir: Path,
                 print(f"\r  {w} {load.label}: {done} loads, {time.perf_counter() - t0:.0f} s",
                       end="", file=sys.stderr, flush=True)
         if knee:
-            k, trace = find_knee(runner, w, prompts[w], slo,
-                                 _service_rate(runner, w, prompts[w]))
-            knees[w] = {"knee_rps": round(k, 4), "trace": trace}
-            todo = [Load("rate", k * f) for f in (0.5, 1.0, 1.5)]
+            rps, met = _service_rate(runner, w, prompts[w], slo)
+            k, trace = find_knee(runner, w, prompts[w], slo, rps, met)
+            knees[w] = {"knee_rps": None if k is None else round(k, 4), "trace": trace}
+            if k is None:
+                knees[w]["none"] = (f"llama-server met the SLO on {met} of the requests one at "
+                                    "a time: under 90% at any rate, so no rate runs")
+            todo = [] if k is None else [Load("rate", k * f) for f in (0.5, 1.0, 1.5)]
             for i, load in enumerate(todo):
                 _run_all(runner, names, w, prompts[w], load, i)
         loads[w] += [x for x in todo if x.kind == "rate"]
@@ -648,6 +658,9 @@ def tables(res: dict[str, Any]) -> str:
                               "output tok/s", "goodput req/s", "reused prompt",
                               "= own cache-off", "= own c=1", "failed"], rows))
     for w, k in (res.get("knee") or {}).items():
+        if k["knee_rps"] is None:
+            parts.append(f"llama-server's knee on `{w}`: none ({k.get('none', '')})")
+            continue
         parts.append(f"llama-server's knee on `{w}`: {k['knee_rps']} requests/s (tried: "
                      + ", ".join(f"{t['rate']}/s goodput {t['goodput_rps']}"
                                  f"{'' if t['holds'] else ' (under 90%)'}" for t in k["trace"])

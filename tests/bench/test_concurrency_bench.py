@@ -476,3 +476,10 @@ def test_the_knee_is_the_lowest_rate_where_goodput_falls_under_90_percent(monkey
     r = runner(capacity=0.5)
     knee, trace = find_knee(r, "chat", [], Slo(), 1.0)
     assert r.tried == pytest.approx([1.0, 1 / 1.5, 1 / 2.25]) and knee == pytest.approx(1 / 1.5)
+    # missing the SLO on over a tenth of the requests one at a time: no knee, no run (the
+    # search would go down to ever slower rates, hours of runs that cannot hold)
+    r = runner(capacity=2.0)
+    knee, trace = find_knee(r, "docs", [], Slo(), 1.0, alone_slo_met=0.875)
+    assert knee is None and trace == [] and r.tried == []
+    knee, trace = find_knee(r, "docs", [], Slo(), 1.0, alone_slo_met=0.9)
+    assert knee == 2.25 and r.tried == [1.0, 1.5, 2.25]
