@@ -18,7 +18,8 @@ The workloads are `concurrent_workload`'s (chat, docs, gsp, multiround), every p
 with the model's chat template before any server starts, so that every server answers the
 same text. The load is `load`'s: closed loop at each concurrency, open loop (Poisson) at each
 rate. `--rate knee` finds llama-server's knee per workload first (`find_knee`) and runs 0.5x,
-1x and 1.5x of it. Each run's figures are vLLM's (`load.figures`: TTFT, TPOT, ITL, E2EL,
+1x and 1.5x of it; a workload where it misses the SLO on over a tenth of the requests one
+at a time has no knee and no rate runs. Each run's figures are vLLM's (`load.figures`: TTFT, TPOT, ITL, E2EL,
 throughput, goodput against `--slo`), in `load_rows`; the concurrency levels' older figures
 stay in `rows`.
 
@@ -174,7 +175,8 @@ def add_options(p: argparse.ArgumentParser) -> None:
                    f"{SEQ_TOKENS} x the most in flight")
     p.add_argument("--rate", help="the load benchmark at Poisson arrival rates too (or "
                    "alone): requests/s, comma-separated, or `knee`: llama-server's knee per "
-                   "workload (goodput under 90%% of the rate), then 0.5x, 1x and 1.5x of it")
+                   "workload (goodput under 90%% of the rate), then 0.5x, 1x and 1.5x of it; "
+                   "none where it misses the SLO on over 10%% one at a time")
     p.add_argument("--duration", type=float, help="with --rate: requests = rate x this "
                    "many seconds (default: --requests)")
     p.add_argument("--slo", default=str(DEFAULT_SLO), help="the latency target goodput "
