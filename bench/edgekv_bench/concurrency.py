@@ -19,9 +19,9 @@ with the model's chat template before any server starts, so that every server an
 same text. The load is `load`'s: closed loop at each concurrency, open loop (Poisson) at each
 rate. `--rate knee` finds llama-server's knee per workload first (`find_knee`) and runs 0.5x,
 1x and 1.5x of it; a workload where it misses the SLO on over a tenth of the requests one
-at a time has no knee and no rate runs. Each run's figures are vLLM's (`load.figures`: TTFT, TPOT, ITL, E2EL,
-throughput, goodput against `--slo`), in `load_rows`; the concurrency levels' older figures
-stay in `rows`.
+at a time has no knee and no rate runs. Each run's figures are vLLM's (`load.figures`: TTFT,
+TPOT, ITL, E2EL, throughput, goodput against `--slo`), in `load_rows`; the concurrency levels'
+older figures stay in `rows`.
 
 Each run (server x workload x load) starts its server afresh on an empty cache directory:
 what one run cached cannot speed up the next, and every server is treated alike. The runs of
