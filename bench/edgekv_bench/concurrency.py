@@ -588,7 +588,8 @@ def run_concurrency_bench(*, concurrency: Sequence[int], workdir: Path,
             knees[w] = {"knee_rps": None if k is None else round(k, 4), "trace": trace}
             if k is None:
                 knees[w]["none"] = (f"llama-server met the SLO on {met} of the requests one at "
-                                    "a time: under 90% at any rate, so no rate runs")
+                                    f"a time: under {KNEE_GOODPUT:.0%} at any rate, so no rate "
+                                    "runs")
             todo = [] if k is None else [Load("rate", k * f) for f in (0.5, 1.0, 1.5)]
             for i, load in enumerate(todo):
                 _run_all(runner, names, w, prompts[w], load, i)
